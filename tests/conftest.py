@@ -15,6 +15,25 @@ import redis
 from accumulator.testing import RedisServer, find_server_binary
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--slow",
+        action="store_true",
+        default=os.environ.get("ACCUMULATOR_SLOW") == "1",
+        help="also run the tests marked slow (fault drills, multi-process runs); "
+        "ACCUMULATOR_SLOW=1 does the same (.ci/run sets it)",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--slow"):
+        return
+    skip = pytest.mark.skip(reason="slow: run with --slow or ACCUMULATOR_SLOW=1")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
 @dataclass
 class Target:
     """Where a test's accumulators live. ``client()`` gives a fresh handle to the same data."""
