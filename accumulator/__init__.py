@@ -17,7 +17,10 @@ from ._errors import (
     DeadlineExceededError,
     InvalidArgumentError,
     NotFoundError,
+    PermissionDeniedError,
+    ResourceExhaustedError,
     SchemaVersionError,
+    UnavailableError,
 )
 from ._functions import list_accumulators, reset_container
 from ._sparse import IndexedSlices, SparseConditionalAccumulator, SparseGradient
@@ -33,9 +36,12 @@ __all__ = [
     "DeadlineExceededError",
     "InvalidArgumentError",
     "NotFoundError",
+    "PermissionDeniedError",
+    "ResourceExhaustedError",
     "SchemaVersionError",
     "SparseConditionalAccumulator",
     "SparseGradient",
+    "UnavailableError",
     "__version__",
     "list_accumulators",
     "raw_ops",

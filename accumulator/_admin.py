@@ -48,6 +48,7 @@ _STATS = (
     "stale_steps",
     "max_stale",
     "n_rejected",
+    "n_quarantined",
     "n_taken",
     "grads_taken",
 )
@@ -104,7 +105,8 @@ class Info:
     n_stale: int = 0  # applies dropped as stale
     stale_steps: int = 0  # sum over stale drops of how many steps behind they were
     max_stale: int = 0
-    n_rejected: int = 0  # applies refused by the scripts (round shape mismatch)
+    n_rejected: int = 0  # applies refused by the scripts (round shape, pending-bytes limit)
+    n_quarantined: int = 0  # round entries a take refused as corrupt (moved to quarantine)
     n_taken: int = 0  # successful takes
     grads_taken: int = 0  # gradients handed out by those takes
     last_take_ms: int | None = None
@@ -117,6 +119,8 @@ class Info:
     stray_keys: int = 0  # keys nothing refers to (e.g. payloads of applies that never landed)
     memory_bytes: int | None = None  # MEMORY USAGE summed over keys; None when unavailable
     definition_error: str | None = field(default=None)
+    max_pending_bytes: int | None = None  # the pending-bytes limit (None: set by no opener)
+    quarantined: int = 0  # entries in the quarantine list now (``describe`` only)
 
     @property
     def name(self) -> str:
@@ -225,6 +229,7 @@ def _info(
         last_take_ms=_int(state.get(b"last_take_ms"), None),
         last_take_wait_ms=_int(state.get(b"last_take_wait_ms"), None),
         definition_error=def_error,
+        max_pending_bytes=_int(state.get(b"maxbytes"), None),
         **{s: _int(state.get(s.encode())) or 0 for s in _STATS},
         **extra,
     )
@@ -334,7 +339,7 @@ def _memory_usage(r: redis.Redis, keys: Iterable[bytes]) -> int | None:
 
 
 def _left_claims(
-    r: redis.Redis, claim_keys: list[bytes], claim_head: bytes
+    r: redis.Redis, keys: Keys, claim_keys: list[bytes], claim_head: bytes
 ) -> tuple[list[LeftClaim], int, set[bytes]]:
     """The claims kept without expiry (left behind), the number of expiring ones (retry
     buffers of finished takes), and the payload keys the kept ones refer to."""
@@ -352,7 +357,8 @@ def _left_claims(
     for key in kept:
         pipe.lrange(key, 0, -1)
     contents = pipe.execute()
-    blob_refs = [[e[1:] for e in c[1:] if e[:1] == b"k"] for c in contents]
+    # entries are untrusted: only this accumulator's own payload keys are looked at
+    blob_refs = [[e[1:] for e in c[1:] if e[:1] == b"k" and keys.is_blob(e[1:])] for c in contents]
     all_blobs = [b for refs in blob_refs for b in refs]
     sizes: dict[bytes, int] = {}
     if all_blobs:
@@ -403,15 +409,19 @@ def describe(
     pipe.zrange(keys.takers, 0, -1, withscores=True)
     pipe.hgetall(keys.taker_info)
     pipe.lrange(keys.grads, 0, -1)
-    now_reply, state, ranked, taker_info, entries = pipe.execute()
+    pipe.llen(keys.quarantine)
+    now_reply, state, ranked, taker_info, entries, quarantined = pipe.execute()
     if not state:
         raise _not_found(shared_name, container)
     now = _server_ms(now_reply)
 
     fixed = {
         _key_bytes(k)
-        for k in (keys.state, keys.grads, keys.takers, keys.taker_info, keys.wake, keys.queue_wake)
-    }
+        for k in (
+            keys.state, keys.grads, keys.takers, keys.taker_info, keys.wake, keys.queue_wake,
+            keys.quarantine,
+        )
+    }  # fmt: skip
     claim_head = _key_bytes(keys.claim(""))
     dedup_head = _key_bytes(keys.dedup(""))
     found = _scan(r, keys.pattern) | {_key_bytes(keys.state)}
@@ -421,13 +431,14 @@ def describe(
             (keys.grads, entries),
             (keys.takers, ranked),
             (keys.taker_info, taker_info),
+            (keys.quarantine, quarantined),
         )
         if there
     }
     claim_keys = sorted(k for k in found if k.startswith(claim_head))
     referenced = {e[1:] for e in entries if e[:1] == b"k"}
 
-    claims, retry_buffers, in_claims = _left_claims(r, claim_keys, claim_head)
+    claims, retry_buffers, in_claims = _left_claims(r, keys, claim_keys, claim_head)
     referenced |= in_claims
     stray = [
         k
@@ -451,6 +462,7 @@ def describe(
         retry_buffers=retry_buffers,
         keys=len(found),
         stray_keys=len(stray),
+        quarantined=int(quarantined or 0),
         memory_bytes=_memory_usage(r, sorted(found)) if memory else None,
     )
 
@@ -498,9 +510,12 @@ def reset(
     Waiting takers keep waiting. Returns the number of gradients dropped."""
     keys = Keys(container, shared_name, prefix)
     try:
-        dropped, *blobs = _scripts.call(r, "reset", [keys.state, keys.grads], [SCHEMA_VERSION])
+        dropped, *blobs = _scripts.call(
+            r, "reset", [keys.state, keys.grads, keys.quarantine], [SCHEMA_VERSION]
+        )
     except NotFoundError as exc:
         raise _not_found(shared_name, container) from exc
+    blobs = [b for b in blobs if keys.is_blob(b)]  # the script returns only ours; twice sure
     if blobs:
         r.unlink(*blobs)
     return int(dropped)
@@ -513,7 +528,8 @@ def delete(
     records). Processes still using it get :class:`NotFoundError`. Returns the number of keys
     deleted; raises :class:`NotFoundError` when there was none."""
     keys = Keys(container, shared_name, prefix)
-    fixed = [keys.state, keys.grads, keys.takers, keys.taker_info, keys.wake, keys.queue_wake]
+    fixed = [keys.state, keys.grads, keys.takers, keys.taker_info, keys.wake, keys.queue_wake,
+             keys.quarantine]  # fmt: skip
     # The state first, atomically with reading the round: from here on every script answers
     # NOTFOUND, so nothing new is added while the rest is found and removed.
     pipe = r.pipeline(transaction=True)
@@ -521,7 +537,8 @@ def delete(
     pipe.unlink(*fixed)
     entries, removed = pipe.execute()
     removed = int(removed)
-    blobs = [e[1:] for e in entries if e[:1] == b"k"]
+    # round entries are untrusted: only this accumulator's own payload keys are deleted
+    blobs = [e[1:] for e in entries if e[:1] == b"k" and keys.is_blob(e[1:])]
     if blobs:
         removed += int(r.unlink(*blobs))
     rest = sorted(_scan(r, keys.pattern))

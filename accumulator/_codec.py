@@ -34,15 +34,21 @@ _BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 
 
 def resolve_dtype(dtype: Any) -> np.dtype:
-    """A numpy dtype from a numpy dtype/type, a name, or anything with ``.as_numpy_dtype``."""
+    """A numpy dtype from a numpy dtype/type, a name, or anything with ``.as_numpy_dtype``.
+
+    Only dtype-like objects are accepted: ``np.dtype(None)`` (float64) and ``np.dtype`` of an
+    array or a scalar (its dtype) are numpy conveniences that would hide a mistake here.
+    """
     if hasattr(dtype, "as_numpy_dtype"):  # tf.DType
         name = getattr(dtype, "name", None)
         dtype = _TF_ALIASES.get(name, name) if name in _TF_ALIASES else dtype.as_numpy_dtype
     if isinstance(dtype, str):
         dtype = _TF_ALIASES.get(dtype, dtype)
+    if not isinstance(dtype, (np.dtype, type, str)):
+        raise InvalidArgumentError(f"Unsupported accumulator dtype: {dtype!r}")
     try:
         resolved = np.dtype(dtype)
-    except TypeError as exc:
+    except Exception as exc:  # noqa: BLE001 - numpy raises TypeError or ValueError here
         raise InvalidArgumentError(f"Unsupported accumulator dtype: {dtype!r}") from exc
     if resolved.fields and len(resolved.fields) == 1:  # tf.qint8.as_numpy_dtype and friends
         resolved = next(iter(resolved.fields.values()))[0]
@@ -70,14 +76,22 @@ def can_cast(src: np.dtype, dst: np.dtype) -> bool:
     return bool(np.can_cast(src, dst, casting="same_kind"))
 
 
-def to_array(value: Any, dtype: np.dtype, what: str = "gradient") -> np.ndarray:
-    """Convert a gradient (numpy, list, anything with ``__array__``) to a C-ordered wire array."""
+def as_array(value: Any, dtype: np.dtype, what: str = "gradient") -> np.ndarray:
+    """``value`` as an array *without copying or casting it* (a broadcast view stays a view),
+    after checking that its dtype can be cast to ``dtype``.
+
+    Callers check the shape on this array's metadata first and only then call
+    :func:`to_wire`: a wrong-shaped ``np.broadcast_to(1.0, (2**31, 4))`` is refused without
+    allocating the 32 GiB a cast would.
+    """
     if hasattr(value, "detach") and hasattr(value, "requires_grad"):  # torch: no autograd here
         value = value.detach().cpu()
     try:
         arr = np.asarray(value)
     except Exception as exc:  # noqa: BLE001 - whatever the object raised, the input is bad
         raise InvalidArgumentError(f"Cannot convert the {what} to an array: {exc}") from exc
+    if not isinstance(arr, np.ndarray):  # a misbehaving __array__
+        raise InvalidArgumentError(f"Cannot convert the {what} to an array")
     if arr.dtype.kind not in "biufc" and arr.dtype != _BFLOAT16:
         raise InvalidArgumentError(
             f"Cannot convert a {what} of dtype {arr.dtype} to the accumulator dtype {dtype.name}"
@@ -87,8 +101,35 @@ def to_array(value: Any, dtype: np.dtype, what: str = "gradient") -> np.ndarray:
             f"Cannot convert a {what} of dtype {arr.dtype.name} to the accumulator dtype "
             f"{dtype.name} (only same-kind casts are allowed)"
         )
+    return arr
+
+
+def to_wire(arr: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """The C-ordered little-endian array in ``dtype`` (no copy when ``arr`` already is one)."""
     # not np.ascontiguousarray: it turns a 0-d array into shape (1,)
     return arr.astype(wire_dtype(dtype), order="C", copy=False)
+
+
+def to_array(value: Any, dtype: np.dtype, what: str = "gradient") -> np.ndarray:
+    """Convert a gradient (numpy, list, anything with ``__array__``) to a C-ordered wire array.
+
+    Copies (casts) before any shape check: prefer :func:`as_array`, check, then :func:`to_wire`.
+    """
+    return to_wire(as_array(value, dtype, what), dtype)
+
+
+def wire_nbytes(arr: np.ndarray, dtype: np.dtype) -> int:
+    """Bytes ``arr`` will take on the wire in ``dtype``, from its metadata (nothing allocated)."""
+    return int(arr.size) * dtype.itemsize
+
+
+def check_payload_size(nbytes: int, limit: int) -> None:
+    """Refuse a gradient Redis cannot store as one value, before anything is built."""
+    if nbytes > limit:
+        raise InvalidArgumentError(
+            f"gradient of {nbytes} bytes exceeds Redis's {limit} byte value limit "
+            "(proto-max-bulk-len); split the parameter into several accumulators"
+        )
 
 
 def to_payload(arr: np.ndarray) -> memoryview:
@@ -105,6 +146,11 @@ def from_payload(data: bytes | memoryview, dtype: np.dtype, shape: Sequence[int]
     return arr.reshape(tuple(shape))
 
 
+def _is_int(value: Any) -> bool:
+    """A Python or numpy integer, not a bool (``True`` is an int to Python, not to us)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
 def normalize_shape(shape: Any) -> Shape:
     """None (unknown rank) or a tuple of ints and None; accepts TensorShape, lists, -1 dims."""
     if shape is None:
@@ -113,8 +159,12 @@ def normalize_shape(shape: Any) -> Shape:
         if shape.rank is None:
             return None
         shape = shape.as_list()
-    if isinstance(shape, (int, np.integer)):
+    if _is_int(shape):
         shape = (int(shape),)
+    if isinstance(shape, (str, bytes, bool, np.bool_, dict)) or (
+        isinstance(shape, np.ndarray) and shape.ndim != 1
+    ):
+        raise InvalidArgumentError(f"Invalid shape: {shape!r}")
     try:
         dims = tuple(shape)
     except TypeError as exc:
@@ -123,9 +173,9 @@ def normalize_shape(shape: Any) -> Shape:
     for dim in dims:
         if hasattr(dim, "value"):  # tf.compat.v1.Dimension
             dim = dim.value
-        if dim is None or (isinstance(dim, (int, np.integer)) and int(dim) == -1):
+        if dim is None or (_is_int(dim) and int(dim) == -1):
             out.append(None)
-        elif isinstance(dim, (int, np.integer)) and int(dim) >= 0:
+        elif _is_int(dim) and 0 <= int(dim) < 2**63:
             out.append(int(dim))
         else:
             raise InvalidArgumentError(f"Invalid shape: {shape!r}")
@@ -159,20 +209,34 @@ def parse_shape_token(token: str | bytes) -> tuple[int, ...]:
 
 
 def scalar_int(value: Any, what: str) -> int:
-    """An integer scalar argument (local_step, num_required, ...); anything else is refused."""
-    if isinstance(value, bool):
-        raise InvalidArgumentError(f"{what} must be an integer scalar, got {value!r}")
-    arr = np.asarray(value)
-    if arr.ndim != 0:
-        raise InvalidArgumentError(
-            f"{what} must be a scalar, but received shape: {format_shape(arr.shape)}"
-        )
-    if arr.dtype.kind not in "iu":
-        raise InvalidArgumentError(f"{what} must be an integer, got {value!r}")
-    out = int(arr)
+    """An int64 scalar argument (local_step, num_required, ...): a Python or numpy integer or
+    a 0-d integer array. bools, floats (also integral ones), strings and anything of another
+    shape are refused, as are values outside int64."""
+    if _is_int(value):
+        out = int(value)
+    else:
+        if isinstance(value, (bool, np.bool_)):
+            raise InvalidArgumentError(f"{what} must be an integer scalar, got {value!r}")
+        try:
+            arr = np.asarray(value)
+        except Exception:  # noqa: BLE001 - ragged lists and objects whose __array__ fails
+            raise InvalidArgumentError(
+                f"{what} must be an integer scalar, got {_short(value)}"
+            ) from None
+        if not isinstance(arr, np.ndarray) or arr.ndim != 0:
+            shape = format_shape(arr.shape) if isinstance(arr, np.ndarray) else "?"
+            raise InvalidArgumentError(f"{what} must be a scalar, but received shape: {shape}")
+        if arr.dtype.kind not in "iu":
+            raise InvalidArgumentError(f"{what} must be an integer, got {_short(value)}")
+        out = int(arr)
     if not -(2**63) <= out < 2**63:  # TF's steps are int64
         raise InvalidArgumentError(f"{what} must fit in int64, got {out}")
     return out
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 @dataclass(frozen=True)

@@ -13,14 +13,16 @@ import threading
 import time
 import uuid
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from numbers import Real
+from typing import Any, TypeVar, cast
 
 import numpy as np
 import redis
 from redis.exceptions import NoScriptError, ResponseError
 
-from . import _scripts
+from . import _retry, _scripts
 from ._codec import (
     Definition,
     format_shape,
@@ -37,12 +39,14 @@ from ._errors import (
     DeadlineExceededError,
     InvalidArgumentError,
     NotFoundError,
+    ResourceExhaustedError,
 )
 from ._keys import SCHEMA_VERSION, Keys
 
 logger = logging.getLogger("accumulator")
 
 _A = TypeVar("_A", bound="AccumulatorBase")
+_T = TypeVar("_T")
 
 #: Payloads up to this size travel inside the apply script call (one round trip); larger ones
 #: are written with a plain SET to their own key in the same pipeline (no copy through Lua).
@@ -66,6 +70,14 @@ DEFERRED_FREE_MS = 60 * 1000
 MAX_PAYLOAD_BYTES = 512 * 1024 * 1024
 #: Safety-net expiry of a private (unnamed) accumulator, renewed by every write.
 PRIVATE_TTL_MS = 24 * 3600 * 1000
+#: Default limit on the payload bytes one pending round may hold (``max_pending_bytes``):
+#: past it applies get ResourceExhaustedError instead of exhausting Redis.
+DEFAULT_MAX_PENDING_BYTES = 4 * 1024**3
+#: Shared names starting with this are private accumulators' (unnamed ones): nobody opens them.
+PRIVATE_PREFIX = "__private__/"
+#: maxmemory policies that never evict our keys.
+_SAFE_POLICIES = ("noeviction", "")
+_policy_checked: set[tuple[Any, ...]] = set()
 
 _REDUCTIONS = ("MEAN", "SUM")
 
@@ -78,6 +90,48 @@ class Claim:
     count: int
     round_shape: tuple[int, ...] | None
     payloads: list[bytes]
+
+
+def _parse_header(raw: bytes) -> tuple[int, int, int, tuple[int, ...] | None]:
+    """(step, count, bytes, round shape) of a claim header ``"<step> <count> <bytes> <gen>
+    <0|1> <shape>"``."""
+    parts = raw.decode().split(" ", 5)
+    if len(parts) != 6:
+        raise AccumulatorError(f"unreadable claim header {raw[:100]!r}")
+    shape = parse_shape_token(parts[5]) if parts[4] == "1" else None
+    return int(parts[0]), int(parts[1]), int(parts[2]), shape
+
+
+def _check_name(value: Any, what: str) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"{what} must be a str, not {type(value).__name__}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidArgumentError(
+            f"{what} {value!r} is not valid Unicode text (it cannot be encoded as UTF-8: {exc})"
+        ) from None
+    return value
+
+
+def _warn_if_evicting(client: redis.Redis) -> None:
+    """Log a warning (once per server and process) when Redis may evict our keys."""
+    kwargs = client.connection_pool.connection_kwargs
+    where = (kwargs.get("host"), kwargs.get("port"), kwargs.get("path"), kwargs.get("db"))
+    if where in _policy_checked:
+        return
+    _policy_checked.add(where)
+    try:
+        policy = str(client.info("memory").get("maxmemory_policy", ""))
+    except Exception:  # noqa: BLE001 - no INFO (ACL, fakeredis, managed service): cannot tell
+        return
+    if policy not in _SAFE_POLICIES:
+        logger.warning(
+            "Redis maxmemory-policy is %r: at the memory limit Redis may evict accumulator "
+            "keys (pending gradients, retry records), losing gradients or counting a retried "
+            "apply twice; use 'noeviction' (see the README, 'Memory and eviction')",
+            policy,
+        )
 
 
 class _ClientState(threading.local):
@@ -106,6 +160,9 @@ class AccumulatorBase:
     #: Tuning knobs, per object so that tests (and unusual deployments) can shorten them.
     wait_slice: float = WAIT_SLICE
     taker_lease: float = TAKER_LEASE_SECONDS
+    #: Seconds an operation rides through an unreachable Redis (a restart, a failover, killed
+    #: connections) before raising :class:`UnavailableError`; retried applies count once.
+    retry_window: float = _retry.RETRY_WINDOW
 
     def __init__(
         self,
@@ -117,7 +174,25 @@ class AccumulatorBase:
         *,
         client: redis.Redis | str | None = None,
         container: str = "",
+        max_pending_bytes: int | None = None,
     ) -> None:
+        container = _check_name(container or "", "container")
+        if shared_name is not None:
+            shared_name = _check_name(shared_name, "shared_name")
+            if shared_name.startswith(PRIVATE_PREFIX):
+                raise InvalidArgumentError(
+                    f"shared_name {shared_name!r}: names starting with {PRIVATE_PREFIX!r} belong "
+                    "to private (unnamed) accumulators and cannot be opened by name"
+                )
+        if max_pending_bytes is not None and (
+            isinstance(max_pending_bytes, bool)
+            or not isinstance(max_pending_bytes, (int, np.integer))
+            or max_pending_bytes < 1
+        ):
+            raise InvalidArgumentError(
+                f"max_pending_bytes must be a positive integer or None, got {max_pending_bytes!r}"
+            )
+        self._max_pending = max_pending_bytes
         if reduction_type not in _REDUCTIONS:
             raise InvalidArgumentError(
                 f"Unsupported reduction type: {reduction_type!r} (expected 'MEAN' or 'SUM')"
@@ -128,7 +203,7 @@ class AccumulatorBase:
         self._name = name
         self._private = not shared_name
         self._shared_name = shared_name or f"__private__/{uuid.uuid4().hex}"
-        self._container = container or ""
+        self._container = container
         self._keys = Keys(self._container, self._shared_name)
         self._conns = connect(client)
         self._local = _ClientState()
@@ -187,14 +262,28 @@ class AccumulatorBase:
 
     # -- lifecycle ----------------------------------------------------------------------------
 
+    def _io(self, what: str, fn: Callable[[], _T]) -> _T:
+        """``fn()`` retried through transient Redis faults for :attr:`retry_window` seconds."""
+        return _retry.call(
+            fn, f"{what} {self._shared_name!r}", window=self.retry_window,
+            give_up=lambda: self._closed,
+        )  # fmt: skip
+
     def _open(self) -> None:
         ttl = PRIVATE_TTL_MS if self._private else 0
         commands = self._conns.commands
-        _scripts.load_all(commands)
-        created, existing = _scripts.call(
-            commands, "open", [self._keys.state],
-            [SCHEMA_VERSION, self._definition.pack(), ttl],
-        )  # fmt: skip
+        limit = self._max_pending or DEFAULT_MAX_PENDING_BYTES
+        explicit = 0 if self._max_pending is None else 1
+
+        def open_() -> Any:
+            _scripts.load_all(commands)
+            return _scripts.call(
+                commands, "open", [self._keys.state],
+                [SCHEMA_VERSION, self._definition.pack(), ttl, int(limit), explicit],
+            )  # fmt: skip
+
+        created, existing = self._io("open", open_)
+        _warn_if_evicting(commands)
         if not created and existing != self._definition.pack():
             theirs = Definition.unpack(existing)
             if theirs != self._definition:
@@ -222,7 +311,12 @@ class AccumulatorBase:
 
     def _read_state(self, *fields: str) -> list[bytes | None]:
         self._check_open()
-        values = self._conns.commands.hmget(self._keys.state, ["schema", *fields])
+        values = cast(
+            "list[bytes | None]",
+            self._io(
+                "read", lambda: self._conns.commands.hmget(self._keys.state, ["schema", *fields])
+            ),
+        )
         if values[0] is None:
             raise NotFoundError(f"accumulator {self._shared_name!r} does not exist")
         return values[1:]
@@ -240,9 +334,9 @@ class AccumulatorBase:
         self._check_open()
         new = scalar_int(new_global_step, "new_global_step")
         old = int(
-            _scripts.call(self._conns.commands, "set_step", [self._keys.state],
-                          [SCHEMA_VERSION, new])  # fmt: skip
-        )
+            self._io("set_global_step", lambda: _scripts.call(
+                self._conns.commands, "set_step", [self._keys.state], [SCHEMA_VERSION, new]))
+        )  # fmt: skip
         if new < old:
             logger.warning(
                 "Attempt to set current_global_step_ to smaller value: "
@@ -276,21 +370,34 @@ class AccumulatorBase:
         args = [SCHEMA_VERSION, seq, local_step, shape_token, "i" if inline else "k",
                 b"i" + payload if inline else b"", nbytes, DEDUP_TTL_MS, first_error]  # fmt: skip
         commands = self._conns.commands
-        if inline:
-            reply = _scripts.call(commands, "apply", keys, args)
-        else:
+
+        def send() -> Any:
+            # Every attempt sends the same (client id, seq): the script answers a retry of an
+            # apply it already counted without counting it again.
+            if inline:
+                return _scripts.call(commands, "apply", keys, args)
             pipe = commands.pipeline(transaction=False)
             # NX: a retry must not re-arm the orphan expiry of a payload already accepted
             pipe.set(blob, payload, nx=True, px=ORPHAN_TTL_MS)
             pipe.execute_command(*_scripts.evalsha_args("apply", keys, args))
-            _, reply = pipe.execute(raise_on_error=False)
+            stored, reply = pipe.execute(raise_on_error=False)
             if isinstance(reply, NoScriptError):
                 reply = _scripts.call(commands, "apply", keys, args)
-            elif isinstance(reply, ResponseError):
-                raise _scripts.translate(reply)
-            elif isinstance(reply, Exception):
-                raise reply
+            for result in (stored, reply):  # the payload's refusal (OOM, ACL) explains best
+                if isinstance(result, ResponseError):
+                    raise _scripts.translate(result)
+                if isinstance(result, Exception):
+                    raise result
+            return reply
+
+        reply = self._io("apply_grad", send)
         code = int(reply[0])
+        if code == -3:
+            raise ResourceExhaustedError(
+                f"accumulator {self._shared_name!r}: a gradient of {nbytes} bytes would take "
+                f"the pending round past its max_pending_bytes={int(reply[4])}; nothing was "
+                "applied (take the round, or open the accumulator with a larger limit)"
+            )
         if code < 0:
             return code, reply[4]
         if code == 0:
@@ -302,36 +409,52 @@ class AccumulatorBase:
 
     # -- take ---------------------------------------------------------------------------------
 
-    def _take(self, num_required: Any, timeout: float | None) -> Claim:
+    def _take(
+        self,
+        num_required: Any,
+        timeout: Any,
+        decode: Callable[[Claim], _T],
+    ) -> _T:
+        """Wait for and claim a round, then read it and ``decode`` it. If anything fails
+        after the claim (reading, decoding, reducing, an interrupt), the round is given back:
+        a take that raises leaves the step as it was."""
         self._check_open()
         n = scalar_int(num_required, "num_required")
         if n < 1:
             raise InvalidArgumentError(
                 f"Argument num_required must be positive, but was {n}"
             )
-        if timeout is not None and not (
-            isinstance(timeout, (int, float, np.integer, np.floating)) and 0 <= timeout < math.inf
-        ):
-            raise InvalidArgumentError(
-                f"timeout must be a finite number >= 0 or None, got {timeout!r}"
-            )
+        if timeout is not None:
+            if isinstance(timeout, (bool, np.bool_)) or not isinstance(timeout, Real):
+                raise InvalidArgumentError(
+                    f"timeout must be a number of seconds or None, got {timeout!r}"
+                )
+            timeout = float(timeout)
+            if not 0 <= timeout < math.inf:
+                raise InvalidArgumentError(
+                    f"timeout must be a finite number >= 0 or None, got {timeout!r}"
+                )
         k = self._keys
         taker = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
         claim_key = k.claim(taker)
-        take_keys = [k.state, k.grads, k.takers, k.taker_info, claim_key, k.wake, k.queue_wake,
-                     *self._spent]  # fmt: skip
-        take_args = [SCHEMA_VERSION, taker, n, int(self.taker_lease * 1000), CLAIM_TTL_MS]
+        take_keys, take_args = self._take_script_args(taker, n, int(self.taker_lease * 1000))
         deadline = None if timeout is None else time.monotonic() + timeout
         commands, blocking = self._conns.commands, self._conns.blocking
-        claimed = False
         queue: redis.client.PubSub | None = None  # while queued behind another taker
         try:
             while True:
                 if self._closed:  # closed by another thread: never claim after close()
                     raise CancelledError("the accumulator was closed while waiting")
-                reply = _scripts.call(commands, "take", take_keys, take_args)
+                reply = self._io(
+                    "take_grad", lambda: _scripts.call(commands, "take", take_keys, take_args)
+                )
+                if len(reply) > 2 and int(reply[2] or 0):
+                    logger.warning(
+                        "take_grad on %r quarantined %d corrupt gradient entries (foreign key "
+                        "names, missing or resized payloads); see `accumulator show`",
+                        self._shared_name, int(reply[2]),
+                    )  # fmt: skip
                 if int(reply[0]) == 1:
-                    claimed = True
                     entries = reply[1]
                     break
                 wait = self.wait_slice
@@ -351,80 +474,119 @@ class AccumulatorBase:
                     # Queued: a head change is broadcast. Subscribe, then re-check at once,
                     # so that a change between the check and the subscription is not missed.
                     queue = blocking.pubsub(ignore_subscribe_messages=True)
-                    queue.subscribe(k.queue_wake)
-                else:
-                    self._wait(queue.get_message, timeout=max(wait, 0.001))
-            result, self._spent = self._read_claim(entries, claim_key)
-            return result
+                    if not self._wait(queue.subscribe, k.queue_wake):
+                        queue.close()
+                        queue = None
+                elif not self._wait(queue.get_message, timeout=max(wait, 0.001)):
+                    queue.close()
+                    queue = None
+            claim, spent, free_now = self._read_claim(entries, claim_key)
+            result = decode(claim)
         except BaseException:
-            if not claimed:
-                self._leave(taker, claim_key)
+            # Not claimed: withdraw from the FIFO. Claimed (or unsure: a lost reply), the
+            # script gives the round back as it was.
+            self._leave(taker, claim_key)
             raise
         finally:
             if queue is not None:
                 queue.close()
+        self._spent = spent
+        if free_now:  # big rounds: memory matters more than one round trip (UNLINK: off-thread)
+            try:
+                self._io("take_grad (freeing)", lambda: commands.unlink(*spent))
+                self._spent = []
+            except Exception:  # noqa: BLE001 - the next take's script frees them instead
+                logger.debug("could not free the round read from %s", claim_key, exc_info=True)
+        return result
 
-    def _wait(self, block: Any, *args: Any, **kwargs: Any) -> None:
-        """One bounded wait; close() from another thread breaks it (its connection goes)."""
+    def _take_script_args(
+        self, taker: str, n: int, lease_ms: int, spent: list[str | bytes] | None = None
+    ) -> tuple[list[Any], list[Any]]:
+        """KEYS and ARGV of the take script (see lua/take.lua)."""
+        k = self._keys
+        keys = [k.state, k.grads, k.takers, k.taker_info, k.claim(taker), k.wake, k.queue_wake,
+                k.quarantine, *(self._spent if spent is None else spent)]  # fmt: skip
+        args = [SCHEMA_VERSION, taker, n, lease_ms, CLAIM_TTL_MS,
+                "s" if self._kind == "sparse" else "d", self.dtype.itemsize]  # fmt: skip
+        return keys, args
+
+    def _wait(self, block: Any, *args: Any, **kwargs: Any) -> bool:
+        """One bounded wait; False when its connection failed (the caller re-checks: the take
+        script rides out the fault). close() from another thread breaks it (CancelledError)."""
         try:
             block(*args, **kwargs)
-        except (redis.ConnectionError, redis.TimeoutError, OSError):
+            return True
+        except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
             if self._closed:
                 raise CancelledError("the accumulator was closed while waiting") from None
-            raise
+            logger.debug("wait on %s interrupted: %s", self._keys.base, exc)
+            time.sleep(0.05)  # a refused reconnect fails at once: do not spin
+            return False
 
     def _leave(self, taker: str, claim_key: str) -> None:
         k = self._keys
-        try:
-            kept = _scripts.call(
+
+        def leave() -> Any:
+            return _scripts.call(
                 self._conns.commands, "leave",
-                [k.state, k.takers, k.taker_info, k.wake, k.queue_wake, claim_key], [taker],
+                [k.state, k.takers, k.taker_info, k.wake, k.queue_wake, claim_key, k.grads],
+                [taker, SCHEMA_VERSION],
             )  # fmt: skip
+
+        try:
+            outcome = int(self._io("leave", leave))
         except Exception:  # noqa: BLE001 - the lease expires on its own if Redis is unreachable
             logger.warning("could not withdraw taker %s from %s", taker, k.base, exc_info=True)
             return
-        if int(kept):
+        if outcome == 1:
+            logger.info(
+                "an interrupted take of %r gave its claimed round back", self._shared_name
+            )
+        elif outcome < 0:
             logger.error(
-                "an interrupted take of %r had already claimed a round; its gradients are "
-                "kept in Redis under %s", self._shared_name, claim_key,
+                "an interrupted take of %r had claimed a round that cannot be given back (the "
+                "accumulator changed since); its gradients are kept in Redis under %s",
+                self._shared_name, claim_key,
             )  # fmt: skip
 
     def _read_claim(
         self, entries: list[bytes], claim_key: str
-    ) -> tuple[Claim, list[str | bytes]]:
-        """The claimed round's payloads, and the keys the next take should free."""
-        header = entries[0].decode().split(" ", 4)
-        step, count, nbytes = int(header[0]), int(header[1]), int(header[2])
-        round_shape = parse_shape_token(header[4]) if header[3] == "1" else None
+    ) -> tuple[Claim, list[str | bytes], bool]:
+        """The claimed round's payloads, the keys to free once it is decoded, and whether to
+        free them at once (big rounds) rather than in the next take's script."""
+        step, count, nbytes, round_shape = _parse_header(entries[0])
         payloads: list[bytes | None] = []
         blob_keys: list[bytes] = []
         for entry in entries[1:]:
             if entry[:1] == b"i":
                 payloads.append(entry[1:])
-            else:
+            elif entry[:1] == b"k" and self._keys.is_blob(entry[1:]):
                 payloads.append(None)
                 blob_keys.append(entry[1:])
+            else:  # the take script checked every entry: this is not ours to follow
+                raise AccumulatorError(f"corrupt entry in claim {claim_key}: {entry[:100]!r}")
         if not blob_keys:
-            return Claim(step, count, round_shape, payloads), [claim_key]  # type: ignore[arg-type]
+            return Claim(step, count, round_shape, payloads), [claim_key], False  # type: ignore[arg-type]
         commands = self._conns.commands
         # Small rounds: read, and leave the keys to the next take (or a short expiry) rather
         # than pay a round trip to delete them now. Big rounds are freed at once: memory
         # matters more there than one round trip.
         defer = nbytes <= DEFER_FREE_MAX_BYTES and len(blob_keys) <= DEFER_FREE_MAX_KEYS
-        pipe = commands.pipeline(transaction=False)
-        pipe.mget(blob_keys)
-        if defer:
-            for key in (claim_key, *blob_keys):
-                pipe.pexpire(key, DEFERRED_FREE_MS)
-        values = pipe.execute()[0]
+
+        def read() -> list[bytes | None]:
+            pipe = commands.pipeline(transaction=False)
+            pipe.mget(blob_keys)
+            if defer:
+                expiring: list[str | bytes] = [claim_key, *blob_keys]
+                for key in expiring:
+                    pipe.pexpire(key, DEFERRED_FREE_MS)
+            return pipe.execute()[0]  # type: ignore[no-any-return]
+
+        values = self._io("take_grad (reading)", read)
         if any(v is None for v in values):
             raise AccumulatorError(
                 f"gradient payloads of a claimed round are missing (claim {claim_key})"
             )
         it = iter(values)
         full = [p if p is not None else next(it) for p in payloads]
-        if defer:
-            return Claim(step, count, round_shape, full), [claim_key, *blob_keys]
-        # read first, delete after: a failure before this point leaves the claim intact
-        commands.unlink(claim_key, *blob_keys)
-        return Claim(step, count, round_shape, full), []
+        return Claim(step, count, round_shape, full), [claim_key, *blob_keys], not defer  # type: ignore[arg-type]

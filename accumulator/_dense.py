@@ -9,15 +9,18 @@ import redis
 
 from . import _reduce
 from ._codec import (
+    as_array,
+    check_payload_size,
     format_shape,
     from_payload,
     parse_shape_token,
     scalar_int,
     shape_compatible,
     shape_token,
-    to_array,
+    to_wire,
+    wire_nbytes,
 )
-from ._core import AccumulatorBase
+from ._core import MAX_PAYLOAD_BYTES, AccumulatorBase, Claim
 from ._errors import InvalidArgumentError
 
 
@@ -40,9 +43,10 @@ class ConditionalAccumulator(AccumulatorBase):
         *,
         client: redis.Redis | str | None = None,
         container: str = "",
+        max_pending_bytes: int | None = None,
     ) -> None:
-        super().__init__(dtype, shape, shared_name, name, reduction_type,
-                         client=client, container=container)  # fmt: skip
+        super().__init__(dtype, shape, shared_name, name, reduction_type, client=client,
+                         container=container, max_pending_bytes=max_pending_bytes)  # fmt: skip
 
     def apply_grad(self, grad: Any, local_step: Any = 0, name: str | None = None) -> bool:
         """Add ``grad`` to the current round; ``False`` if dropped as stale.
@@ -51,12 +55,16 @@ class ConditionalAccumulator(AccumulatorBase):
         cast to the dtype, does not fit the declared shape, or differs from this round's shape.
         """
         step = scalar_int(local_step, "local_step")
-        arr = to_array(grad, self.dtype)
+        # Every check on the metadata first: the cast below copies, and a wrong-shaped
+        # broadcast view (np.broadcast_to(1.0, (2**31, 4))) must not be materialized.
+        arr = as_array(grad, self.dtype)
         if not shape_compatible(self.shape, arr.shape):
             raise InvalidArgumentError(
                 f"Shape mismatch: expected {format_shape(self.shape)}, "
                 f"got {format_shape(arr.shape)}"
             )
+        check_payload_size(wire_nbytes(arr, self.dtype), MAX_PAYLOAD_BYTES)
+        arr = to_wire(arr, self.dtype)
         code, round_shape = self._apply(arr, shape_token(arr.shape), step)
         if code == -1:
             raise InvalidArgumentError(
@@ -73,7 +81,11 @@ class ConditionalAccumulator(AccumulatorBase):
 
         ``timeout`` (seconds) raises :class:`DeadlineExceededError`, consuming nothing.
         """
-        claim = self._take(num_required, timeout)
+        return self._take(num_required, timeout, self._reduce_claim)
+
+    def _reduce_claim(self, claim: Claim) -> np.ndarray:
+        # runs before the take returns: if it fails (MemoryError...), the round goes back
         shape = claim.round_shape if claim.round_shape is not None else ()
         grads = [from_payload(p, self.dtype, shape) for p in claim.payloads]
         return _reduce.dense_reduce(grads, self.dtype, self.reduction_type)
+

@@ -8,7 +8,10 @@ __all__ = [
     "DeadlineExceededError",
     "InvalidArgumentError",
     "NotFoundError",
+    "PermissionDeniedError",
+    "ResourceExhaustedError",
     "SchemaVersionError",
+    "UnavailableError",
 ]
 
 
@@ -40,3 +43,20 @@ class NotFoundError(AccumulatorError, LookupError):
 
 class SchemaVersionError(AccumulatorError):
     """The keys in Redis were written by an incompatible version of this library."""
+
+
+class PermissionDeniedError(AccumulatorError, PermissionError):
+    """The Redis user may not run a command the operation needs (an ACL). Raised before the
+    operation's first write: step, count and round are unchanged. The message names the
+    command; the README's "Security" section lists what each role needs."""
+
+
+class ResourceExhaustedError(AccumulatorError):
+    """Redis is out of memory (``maxmemory`` reached under ``noeviction``), or the pending
+    round would pass the accumulator's ``max_pending_bytes``. Nothing was applied."""
+
+
+class UnavailableError(AccumulatorError, ConnectionError):
+    """Redis could not be reached for longer than the retry window (``retry_window``,
+    default 30 s). Faults shorter than that are retried transparently, and a retried apply is
+    counted once. The underlying redis-py error is chained as ``__cause__``."""

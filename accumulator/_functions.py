@@ -9,7 +9,8 @@ from ._connection import connect
 
 
 def reset_container(container: str, *, client: redis.Redis | str | None = None) -> int:
-    """Delete every accumulator of ``container`` (TF's container reset); returns keys removed.
+    """Delete every accumulator of ``container`` (TF's container reset); returns how many
+    accumulators were deleted.
 
     Objects still open on those accumulators get :class:`NotFoundError` on their next call.
     """

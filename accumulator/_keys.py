@@ -24,9 +24,18 @@ key                    type    contents
 ``P{tag}:w``           list    wake-up token (at most one) for the head taker
 ``P{tag}:q``           channel pub/sub: the head of the FIFO changed (queued takers
                                re-check); a channel name, never a stored key
-``P{tag}:c:<taker>``   list    a claimed round (entries of ``:g``), kept until the taker has
-                               read it: a retried take returns it again
+``P{tag}:c:<taker>``   list    a claimed round: a header, then the entries of ``:g``; kept
+                               until the taker has read it (a retried take returns it again;
+                               a take that fails gives it back)
+``P{tag}:x``           list    quarantine: entries a take refused to claim (a foreign key name,
+                               a missing or resized payload), each ``"<reason> <entry>"``
 =====================  ======  ==============================================================
+
+Only the library's own key names are ever read or deleted: an entry of ``:g`` (or of a claim)
+that names anything but a blob key of this very accumulator (``P{tag}:b:<hex>:<digits>``) is
+quarantined by the take script and ignored by ``reset``/``delete``, never followed. A tenant
+allowed to write ``acc:*`` can corrupt an accumulator, but cannot make a chief or an admin
+read or delete a key outside it.
 
 ``P`` is the prefix (default ``acc``). The sync helper's keys (``accsync:{tag}:*``) are at the
 end of this file (:class:`SyncKeys`). Payload formats: dense = the array's bytes in the
@@ -35,6 +44,7 @@ accumulator dtype, C order, little-endian; sparse = int64 indices then values, s
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -119,8 +129,22 @@ class Keys:
     def queue_wake(self) -> str:
         return self.base + ":q"
 
+    @cached_property
+    def quarantine(self) -> str:
+        return self.base + ":x"
+
     def blob(self, client_id: str, seq: int) -> str:
         return f"{self.base}:b:{client_id}:{seq}"
+
+    @cached_property
+    def _blob_re(self) -> re.Pattern[bytes]:
+        return re.compile(re.escape(self.base.encode()) + rb":b:[0-9a-fA-F]+:[0-9]+\Z")
+
+    def is_blob(self, key: bytes | str) -> bool:
+        """True for a payload key of this accumulator, in exactly the form the library writes
+        (the Python twin of the scripts' check): round entries are untrusted input."""
+        raw = key.encode() if isinstance(key, str) else key
+        return self._blob_re.match(raw) is not None
 
     def dedup(self, client_id: str) -> str:
         return f"{self.base}:d:{client_id}"

@@ -8,16 +8,26 @@ when the server answers NOSCRIPT (first use, restart, failover).
 from __future__ import annotations
 
 import hashlib
+import logging
 from functools import cache
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import redis
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import NoPermissionError, NoScriptError, OutOfMemoryError, ResponseError
 
-from ._errors import AccumulatorError, NotFoundError, SchemaVersionError
+from ._errors import (
+    AccumulatorError,
+    InvalidArgumentError,
+    NotFoundError,
+    PermissionDeniedError,
+    ResourceExhaustedError,
+    SchemaVersionError,
+)
 from ._keys import SCHEMA_VERSION
+
+logger = logging.getLogger("accumulator")
 
 NAMES = ("open", "apply", "take", "leave", "set_step", "reset")
 ERROR_PREFIX = "ACCERR "
@@ -49,30 +59,53 @@ def evalsha_args(name: str, keys: list[str], args: list[Any]) -> list[Any]:
 
 
 def call(client: redis.Redis, name: str, keys: list[str], args: list[Any]) -> Any:
-    """Run a script; loads it on NOSCRIPT; turns ``ACCERR`` replies into our exceptions."""
+    """Run a script; on NOSCRIPT loads it (or, where SCRIPT LOAD is not allowed, sends its
+    source with EVAL); turns ``ACCERR`` and ACL replies into our exceptions."""
     try:
         try:
             return client.execute_command(*evalsha_args(name, keys, args))
         except NoScriptError:
-            client.script_load(source(name))
+            try:
+                client.script_load(source(name))
+            except NoPermissionError:
+                return client.execute_command("EVAL", source(name), len(keys), *keys, *args)
             return client.execute_command(*evalsha_args(name, keys, args))
     except ResponseError as exc:
         raise translate(exc) from exc
 
 
 def load_all(client: redis.Redis) -> None:
-    """Register every script with this server once, so the hot path never sees NOSCRIPT."""
+    """Register every script with this server once, so the hot path never sees NOSCRIPT.
+
+    A user not allowed ``SCRIPT LOAD`` is fine while the scripts are loaded already (or when
+    it may ``EVAL``): :func:`call` copes with NOSCRIPT itself.
+    """
     pipe = client.pipeline(transaction=False)
     for name in NAMES:
         pipe.script_load(source(name))
-    pipe.execute()
+    for reply in pipe.execute(raise_on_error=False):
+        if isinstance(reply, NoPermissionError):
+            logger.debug("SCRIPT LOAD not allowed (%s); relying on EVALSHA/EVAL", reply)
+            return
+        if isinstance(reply, Exception):
+            raise reply
 
 
-def translate(exc: ResponseError) -> Exception:
-    """Our error for an ``ACCERR`` reply; any other server error is returned unchanged."""
+def translate(exc: Exception) -> Exception:
+    """Our error for an ``ACCERR``, ACL (NOPERM) or out-of-memory (OOM) reply; any other error
+    is returned unchanged."""
     text = str(exc)
     idx = text.find(ERROR_PREFIX.strip())
     if idx < 0:
+        if isinstance(exc, NoPermissionError) or text.startswith("NOPERM"):
+            return PermissionDeniedError(
+                f"the Redis user lacks a permission: {text} (see the README's Security "
+                "section for what each role needs)"
+            )
+        if isinstance(exc, OutOfMemoryError) or text.startswith("OOM"):
+            return ResourceExhaustedError(
+                f"Redis is out of memory (maxmemory): {text}; nothing was applied"
+            )
         return exc
     words = text[idx + len(ERROR_PREFIX) :].split()
     what = words[0] if words else ""
@@ -84,4 +117,23 @@ def translate(exc: ResponseError) -> Exception:
             f"the accumulator was written with key schema version {have}; this library "
             f"speaks version {SCHEMA_VERSION}"
         )
+    if what == "NOPERM":
+        command = words[1] if len(words) > 1 else "?"
+        target = words[2] if len(words) > 2 else "?"
+        return PermissionDeniedError(
+            f"the Redis user may not run {command} on {target!r}; nothing was changed (see the "
+            "README's Security section for what each role needs)"
+        )
+    if what == "NOBLOB":
+        return ResourceExhaustedError(
+            "the gradient's payload was not stored (Redis at maxmemory, or the key was evicted "
+            "or changed); nothing was applied"
+        )
+    if what == "STEPMAX":
+        return InvalidArgumentError(
+            "the global step is at the int64 maximum: a take cannot advance it (set_global_step "
+            "lower first)"
+        )
+    if what in ("BADARG", "BADKEY"):
+        return InvalidArgumentError(f"the accumulator script refused its input ({text[idx:]})")
     return AccumulatorError(text[idx:])

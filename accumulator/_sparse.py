@@ -15,15 +15,18 @@ import redis
 
 from . import _reduce
 from ._codec import (
+    as_array,
+    check_payload_size,
     format_shape,
     normalize_shape,
     parse_shape_token,
     scalar_int,
     shape_token,
-    to_array,
+    to_wire,
     wire_dtype,
+    wire_nbytes,
 )
-from ._core import AccumulatorBase
+from ._core import MAX_PAYLOAD_BYTES, AccumulatorBase, Claim
 from ._errors import InvalidArgumentError
 
 _INDEX_DTYPE = np.dtype("<i8")
@@ -66,9 +69,10 @@ class SparseConditionalAccumulator(AccumulatorBase):
         *,
         client: redis.Redis | str | None = None,
         container: str = "",
+        max_pending_bytes: int | None = None,
     ) -> None:
-        super().__init__(dtype, shape, shared_name, name, reduction_type,
-                         client=client, container=container)  # fmt: skip
+        super().__init__(dtype, shape, shared_name, name, reduction_type, client=client,
+                         container=container, max_pending_bytes=max_pending_bytes)  # fmt: skip
 
     # -- apply --------------------------------------------------------------------------------
 
@@ -92,16 +96,31 @@ class SparseConditionalAccumulator(AccumulatorBase):
             if step < self.global_step():  # stale input is dropped before any validation
                 return False
             raise
-        indices, values = _reduce.coalesce(indices, values)
         inner = values.shape[1:]
-        payload = np.empty(indices.nbytes + values.nbytes, dtype=np.uint8)
-        payload[: indices.nbytes] = indices.astype(_INDEX_DTYPE, copy=False).view(np.uint8)
-        payload[indices.nbytes :] = np.ascontiguousarray(values).reshape(-1).view(np.uint8)
-        code, detail = self._apply(payload, shape_token(inner), step, self._first_error(values))
+        first_error = self._first_error(values)
+        if first_error:
+            # Values that do not fit the declared dims can never join a round: the first
+            # gradient of a round is refused with first_error, and any later one differs from
+            # the round's values shape (which fits the declared dims). The script still
+            # decides atomically between stale and refused, so it gets the shape alone: the
+            # values are never copied.
+            payload = np.empty(0, dtype=np.uint8)
+        else:
+            check_payload_size(
+                indices.size * _INDEX_DTYPE.itemsize + wire_nbytes(values, self.dtype),
+                MAX_PAYLOAD_BYTES,
+            )
+            indices, values = _reduce.coalesce(indices, to_wire(values, self.dtype))
+            payload = np.empty(indices.nbytes + values.nbytes, dtype=np.uint8)
+            payload[: indices.nbytes] = indices.astype(_INDEX_DTYPE, copy=False).view(np.uint8)
+            payload[indices.nbytes :] = np.ascontiguousarray(values).reshape(-1).view(np.uint8)
+        code, detail = self._apply(payload, shape_token(inner), step, first_error)
         if code == -1:
             raise InvalidArgumentError(_round_mismatch(parse_shape_token(detail), values))
         if code == -2:
             raise InvalidArgumentError(detail.decode() if isinstance(detail, bytes) else detail)
+        if code == 1 and first_error:  # cannot happen (see above); never pass it silently
+            raise AssertionError("a gradient refused by its values shape was accepted")
         return code == 1
 
     def apply_indexed_slices_grad(
@@ -120,8 +139,12 @@ class SparseConditionalAccumulator(AccumulatorBase):
     def _validate(
         self, grad_indices: Any, grad_values: Any, grad_shape: Any
     ) -> tuple[np.ndarray, np.ndarray]:
-        """TF's checks 1-5 (those that do not depend on the round), in TF's order."""
-        indices = np.asarray(grad_indices)
+        """TF's checks 1-5 (those that do not depend on the round), in TF's order, on the
+        arrays' metadata: the values come back uncast (possibly a view), the indices int64."""
+        try:
+            indices = np.asarray(grad_indices)
+        except Exception as exc:  # noqa: BLE001 - ragged lists, objects whose __array__ fails
+            raise InvalidArgumentError(f"Cannot convert the indices to an array: {exc}") from exc
         if indices.dtype.kind not in "iu" and indices.size:
             raise InvalidArgumentError(f"Indices must be integers, got dtype {indices.dtype}")
         if indices.ndim != 1:
@@ -129,7 +152,7 @@ class SparseConditionalAccumulator(AccumulatorBase):
                 "Input indices should be vector but received shape: "
                 f"{format_shape(indices.shape)}"
             )
-        values = to_array(grad_values, self.dtype, "gradient values")
+        values = as_array(grad_values, self.dtype, "gradient values")
         if values.ndim == 0:
             raise InvalidArgumentError("Values cannot be 0-dimensional.")
         if values.shape[0] != indices.shape[0]:
@@ -149,6 +172,8 @@ class SparseConditionalAccumulator(AccumulatorBase):
                     raise InvalidArgumentError(
                         f"Shape mismatch: expected shape dim {i} to be {dim}, got {given[i]}"
                     )
+        # the checks below allocate per index: refuse an impossible gradient before them
+        check_payload_size(indices.size * _INDEX_DTYPE.itemsize, MAX_PAYLOAD_BYTES)
         if indices.dtype == np.uint64 and indices.size and indices.max() > np.iinfo(np.int64).max:
             i = int(np.argmax(indices > np.iinfo(np.int64).max))
             raise InvalidArgumentError(
@@ -194,7 +219,10 @@ class SparseConditionalAccumulator(AccumulatorBase):
     ) -> SparseGradient:
         """Block until ``num_required`` gradients arrived, then return the merged rows
         ``(indices, values, shape)`` and advance the global step."""
-        claim = self._take(num_required, timeout)
+        return self._take(num_required, timeout, self._merge_claim)
+
+    def _merge_claim(self, claim: Claim) -> SparseGradient:
+        # runs before the take returns: if it fails (MemoryError...), the round goes back
         inner = claim.round_shape or ()
         dtype = wire_dtype(self.dtype)
         row_bytes = _INDEX_DTYPE.itemsize + int(np.prod(inner, dtype=np.int64)) * dtype.itemsize
@@ -220,7 +248,21 @@ class SparseConditionalAccumulator(AccumulatorBase):
 
 
 def _grad_shape(grad_shape: Any) -> tuple[int, ...]:
-    shape = normalize_shape(np.asarray(grad_shape).reshape(-1).tolist())
+    """The given dense shape as a tuple (``-1`` for an unknown dim); TensorShape too."""
+    if hasattr(grad_shape, "rank") and hasattr(grad_shape, "as_list"):  # tf.TensorShape
+        if grad_shape.rank is None:
+            raise InvalidArgumentError("grad_shape must have a known rank")
+        grad_shape = [-1 if d is None else d for d in grad_shape.as_list()]
+    try:
+        arr = np.asarray(grad_shape)
+    except Exception as exc:  # noqa: BLE001 - ragged lists, objects whose __array__ fails
+        raise InvalidArgumentError(f"Invalid grad_shape: {exc}") from exc
+    if arr.ndim > 1 or (arr.size and arr.dtype.kind not in "iu"):
+        raise InvalidArgumentError(
+            f"grad_shape must be a vector of integers, got {format_shape(arr.shape)} "
+            f"{arr.dtype} values"
+        )
+    shape = normalize_shape(arr.reshape(-1).astype(np.int64).tolist())
     assert shape is not None
     return tuple(-1 if d is None else d for d in shape)
 

@@ -9,6 +9,12 @@ Meant for this project's own tests and for users' tests alike::
         r.set("k", "v")
         server.restart()  # same port, empty data: simulate a server losing its state
 
+    with RedisServer(persistent=True) as server:  # AOF, fsync always, data dir kept
+        server.client().set("k", "v")
+        server.kill()  # a crash (SIGKILL) ...
+        server.start()  # ... and the data is back, on the same port
+        assert server.client().get("k") == b"v"
+
     r = fake_client()  # in-process fakeredis, fresh state on every call
 
 ``RedisServer`` finds a binary in this order: the ``binary`` argument, the environment
@@ -94,15 +100,17 @@ _AUTH_REQUIRED = -1
 
 
 def _probe(port: int, timeout: float) -> int | None:
-    """Ask ``INFO server`` on a raw socket; return the answering server's pid.
+    """Ask ``INFO`` (server and persistence sections) on a raw socket; return the answering
+    server's pid.
 
-    Returns None while nothing usable answers (refused, timed out, still loading) and
-    ``_AUTH_REQUIRED`` if the server wants a password. A raw socket rather than redis-py keeps
-    each probe one round trip, with no client handshake or retries stretching the deadline.
+    Returns None while nothing usable answers (refused, timed out, still loading its AOF or
+    RDB: ``loading:1``) and ``_AUTH_REQUIRED`` if the server wants a password. A raw socket
+    rather than redis-py keeps each probe one round trip, with no client handshake or retries
+    stretching the deadline.
     """
     try:
         with socket.create_connection((_HOST, port), timeout=timeout) as sock:
-            sock.sendall(b"INFO server\r\n")
+            sock.sendall(b"INFO\r\n")
             data = b""
             while True:
                 chunk = sock.recv(65536)
@@ -116,11 +124,14 @@ def _probe(port: int, timeout: float) -> int | None:
         return None
     if data.startswith((b"-NOAUTH", b"-AUTH")):
         return _AUTH_REQUIRED
+    pid = None
     for line in data.split(b"\r\n"):
+        if line.startswith(b"loading:") and line.split(b":", 1)[1].strip() != b"0":
+            return None
         if line.startswith(b"process_id:"):
             value = line.split(b":", 1)[1].strip()
-            return int(value) if value.isdigit() else None
-    return None
+            pid = int(value) if value.isdigit() else None
+    return pid
 
 
 def fake_client(**kwargs: Any) -> redis.Redis:
@@ -148,13 +159,25 @@ class _StartupError(RuntimeError):
 
 
 class RedisServer:
-    """A throwaway redis-server on 127.0.0.1, with no persistence, for tests.
+    """A throwaway redis-server on 127.0.0.1 for tests; by default without persistence.
 
     ``port=None`` picks a free port at the first start; later starts (``restart()``) reuse
     it. ``args`` are extra server arguments appended last, e.g. ``["--maxmemory", "10mb"]``
     (do not pass ``--port``/``--bind``: use the ``port`` parameter). Use as a context
     manager, or call ``start()``/``stop()``. Servers still running when the interpreter
     exits are stopped by an atexit hook.
+
+    ``persistent=False`` (the default): no RDB, no AOF, and every start gets a fresh data
+    directory, so ``restart()`` and ``kill()`` + ``start()`` come back empty.
+
+    ``persistent=True``: the server runs with ``--appendonly yes --appendfsync always``
+    (every write acknowledged to a client is on disk first) and its data directory
+    (:attr:`workdir`) is kept across ``kill()``, ``start()`` and ``restart()``: a server
+    SIGKILLed and started again reloads the AOF and comes back with every acknowledged write,
+    on the same port, as a real crashed and restarted server would. ``args`` still come last,
+    so ``["--appendfsync", "everysec"]`` (lose up to a second at a crash) or
+    ``["--appendonly", "no", "--save", "60 1"]`` (RDB instead) override the defaults. The
+    directory is removed by ``stop()`` (and by the atexit hook), never by a restart.
     """
 
     def __init__(
@@ -165,6 +188,7 @@ class RedisServer:
         *,
         startup_timeout: float = 10.0,
         stop_timeout: float = 10.0,
+        persistent: bool = False,
     ) -> None:
         if port is not None and not 0 < port < 65536:
             raise ValueError(f"port must be in 1..65535 or None, not {port!r}")
@@ -177,6 +201,10 @@ class RedisServer:
         self._args = list(args)
         self._startup_timeout = startup_timeout
         self._stop_timeout = stop_timeout
+        self._persistent = bool(persistent)
+        # Persistent only: the data directory holds data once a start succeeded (from then
+        # on a failed start must not wipe it).
+        self._has_data = False
         self._binary: str | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         self._dir: Path | None = None
@@ -214,8 +242,14 @@ class RedisServer:
         return self.pid is not None
 
     @property
+    def persistent(self) -> bool:
+        """True when data survives ``kill()``/``restart()`` (see the class docstring)."""
+        return self._persistent
+
+    @property
     def workdir(self) -> Path | None:
-        """Temporary directory holding the server log (removed by ``stop()``)."""
+        """Temporary directory holding the server log, and the AOF when ``persistent``
+        (removed by ``stop()``)."""
         return self._dir
 
     @property
@@ -242,24 +276,37 @@ class RedisServer:
                     self._spawn(binary)
                     break
                 except _StartupError as exc:
-                    # The temp dir was only kept to read its log into the error.
-                    self._cleanup_dir()
+                    # The temp dir was only kept to read its log into the error (a persistent
+                    # server's data stays for the next attempt).
+                    if not self._has_data:
+                        self._cleanup_dir()
                     if not exc.port_taken or attempt == attempts:
                         raise
                     log.info("port %d was taken before redis-server bound it; retrying", self._port)
                     self._port = None
                 except BaseException:
-                    self._cleanup_dir()
+                    if not self._has_data:
+                        self._cleanup_dir()
                     raise
             # From now on the port is this server's identity (clients hold its URL), so a
             # restart must come back on it rather than move elsewhere.
             self._fixed_port = True
+            self._has_data = self._persistent
             self._owner_pid = os.getpid()
             _live_servers.add(self)
             return self
 
     def stop(self) -> None:
-        """Stop the server (SIGTERM, then SIGKILL after ``stop_timeout``) and remove its dir."""
+        """Stop the server (SIGTERM, then SIGKILL after ``stop_timeout``) and remove its dir
+        (also a persistent server's: its data is gone)."""
+        with self._lock:
+            self._terminate()
+            self._has_data = False
+            self._cleanup_dir()
+            _live_servers.discard(self)
+
+    def _terminate(self) -> None:
+        """SIGTERM the process (SIGKILL after ``stop_timeout``); the directory stays."""
         with self._lock:
             proc, self._proc = self._proc, None
             if proc is not None and proc.poll() is None:
@@ -275,13 +322,13 @@ class RedisServer:
                     proc.kill()
                     proc.wait()
                 log.debug("redis-server pid %d on port %s stopped", proc.pid, self._port)
-            self._cleanup_dir()
-            _live_servers.discard(self)
 
     def kill(self) -> None:
-        """SIGKILL the server to simulate a crash. ``start()``/``restart()`` bring it back.
+        """SIGKILL the server to simulate a crash. ``start()``/``restart()`` bring it back:
+        empty, or, when ``persistent``, with every write it acknowledged.
 
-        The temp dir (and log) is kept until the next start or ``stop()``.
+        The temp dir (and log) is kept until the next start (a persistent server's until
+        ``stop()``).
         """
         with self._lock:
             proc = self._proc
@@ -292,9 +339,10 @@ class RedisServer:
             log.debug("redis-server pid %d on port %s killed", proc.pid, self._port)
 
     def restart(self) -> RedisServer:
-        """Stop and start again on the same port. Data is lost (there is no persistence)."""
+        """Stop (SIGTERM) and start again on the same port. Data is lost, unless the server
+        is ``persistent``."""
         with self._lock:
-            self.stop()
+            self._terminate()
             return self.start()
 
     def client(self, **kwargs: Any) -> redis.Redis:
@@ -338,15 +386,21 @@ class RedisServer:
 
     def _spawn(self, binary: str) -> None:
         port = self.port
-        self._cleanup_dir()  # left over from a kill()
-        self._dir = Path(tempfile.mkdtemp(prefix=f"accumulator-redis-{port}-"))
+        if not (self._persistent and self._dir is not None and self._dir.is_dir()):
+            self._cleanup_dir()  # left over from a kill()
+            self._dir = Path(tempfile.mkdtemp(prefix=f"accumulator-redis-{port}-"))
+        assert self._dir is not None
+        if self._persistent:
+            persistence = ["--appendonly", "yes", "--appendfsync", "always"]
+        else:
+            persistence = ["--appendonly", "no"]
         cmd = [
             binary,
             "--port", str(port),
             "--bind", _HOST,
             "--protected-mode", "no",
             "--save", "",
-            "--appendonly", "no",
+            *persistence,
             "--daemonize", "no",
             "--dir", str(self._dir),
             "--logfile", str(self.log_path),
@@ -355,7 +409,7 @@ class RedisServer:
         log.debug("starting %s", cmd)
         # Errors before the logfile opens (bad arguments) go to stdout/stderr: keep them too.
         # The child stays in our process group so a signal to the whole test run reaches it.
-        with open(self._dir / "stdout.log", "wb") as out:
+        with open(self._dir / "stdout.log", "ab" if self._persistent else "wb") as out:
             self._proc = subprocess.Popen(
                 cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT
             )

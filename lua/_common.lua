@@ -71,3 +71,61 @@ local function wake_head(state, takers, info_key, wake, count)
     redis.call('LTRIM', wake, -1, -1)
   end
 end
+
+-- Exact int64 arithmetic on decimal strings (Lua numbers are doubles, exact only to 2^53).
+local INT64_MAX, INT64_MIN = '9223372036854775807', '-9223372036854775808'
+
+-- -1, 0 or 1 as a < b, a == b, a > b, for canonical decimal integers (no '+', no leading 0).
+local function int_cmp(a, b)
+  local na, nb = string.sub(a, 1, 1) == '-', string.sub(b, 1, 1) == '-'
+  if na ~= nb then return na and -1 or 1 end
+  local sign = na and -1 or 1
+  if #a ~= #b then return (#a < #b and -1 or 1) * sign end
+  if a == b then return 0 end
+  return (a < b and -1 or 1) * sign
+end
+
+-- A canonical decimal integer within int64 (what the client sends for steps).
+local function is_int64(s)
+  if type(s) ~= 'string' or not (s == '0' or string.find(s, '^%-?[1-9]%d*$')) then return false end
+  return #s <= 20 and int_cmp(s, INT64_MIN) >= 0 and int_cmp(s, INT64_MAX) <= 0
+end
+
+-- A non-negative decimal count (sequence numbers, sizes, milliseconds).
+local function is_count(s)
+  return type(s) == 'string' and #s <= 18 and string.find(s, '^%d+$') ~= nil
+end
+
+-- Every key a script touches is one of its own accumulator's: KEYS[1] is '<base>:s' and each
+-- other key must be '<base>' .. the given suffix. Returns the base, or nil and an error reply.
+local function own_keys(suffixes)
+  local state = KEYS[1]
+  if string.sub(state, -2) ~= ':s' then return nil, acc_error('BADKEY 1') end
+  local base = string.sub(state, 1, -3)
+  for i, suffix in ipairs(suffixes) do
+    if suffix ~= '' and KEYS[i + 1] ~= base .. suffix then return nil, acc_error('BADKEY ' .. (i + 1)) end
+  end
+  return base
+end
+
+-- A key under '<base>:<kind>:' followed by exactly what the library puts there: blob keys
+-- ('b') are '<client id hex>:<seq>', claim keys ('c') '<pid>-<hex>', dedup keys ('d') hex.
+local KEY_TAILS = {b = '^%x+:%d+$', c = '^%d+%-%x+$', d = '^%x+$'}
+local function is_own(base, key, kind)
+  local head = base .. ':' .. kind .. ':'
+  return string.sub(key, 1, #head) == head and string.find(key, KEY_TAILS[kind], #head + 1) ~= nil
+end
+
+-- Permission checks before the first write: a script that fails half-way leaves its earlier
+-- writes in place (Redis scripts do not roll back). checks = {{command, key or channel}, ...}.
+-- Servers without redis.acl_check_cmd (before 7.0, fakeredis) have no ACL selectors to fear.
+local function check_acl(checks)
+  if not redis.acl_check_cmd then return nil end
+  for _, c in ipairs(checks) do
+    local ok
+    if c[1] == 'PUBLISH' then ok = redis.acl_check_cmd('PUBLISH', c[2], '1')
+    else ok = redis.acl_check_cmd(c[1], c[2]) end
+    if not ok then return acc_error('NOPERM ' .. c[1] .. ' ' .. c[2]) end
+  end
+  return nil
+end

@@ -9,41 +9,61 @@
 --         gradient only (later ones are compared with the round shape)
 -- Returns {code, step, count, duplicate, detail}: code 1 accepted, 0 stale,
 -- -1 shape differs from the round's (detail = round shape), -2 refused as a round's first
--- gradient (detail = ARGV[9]).
+-- gradient (detail = ARGV[9]), -3 the round would exceed the accumulator's pending-bytes limit
+-- (detail = the limit).
+-- Every input and permission is checked before the first write; a refused apply changes
+-- nothing but the n_rejected statistic (and drops its own payload key).
 local state, grads, dedup, blob = KEYS[1], KEYS[2], KEYS[3], KEYS[7]
-local seq, inline = ARGV[2], ARGV[5] == 'i'
+local base, kerr = own_keys({':g', '', ':t', ':ti', ':w', ''})
+if not base then return kerr end
+if not is_own(base, dedup, 'd') or not is_own(base, blob, 'b') then return acc_error('BADKEY') end
+local seq, inline, nbytes = ARGV[2], ARGV[5] == 'i', ARGV[7]
+if not (is_count(seq) and is_int64(ARGV[3]) and (inline or ARGV[5] == 'k')
+    and string.find(ARGV[4], '^[%d,]*$') and is_count(nbytes) and is_count(ARGV[8])
+    and (not inline or (string.sub(ARGV[6], 1, 1) == 'i' and #ARGV[6] - 1 == tonumber(nbytes)))) then
+  return acc_error('BADARG apply')
+end
 local err, st = read_state(state, ARGV[1], {'step', 'count', 'rshape', 'ttl', 'bytes',
-  'n_applied'})
+  'n_applied', 'maxbytes'})
 if err then
   if not inline then redis.call('DEL', blob) end  -- nobody will ever reference it
   return err
 end
-local step, count = tonumber(st.step), tonumber(st.count)
+err = check_acl({{'GET', dedup}, {'SET', dedup}, {'DEL', blob}, {'HSET', state},
+  {'HINCRBY', state}, {'RPUSH', grads}, {'PEXPIRE', state}, {'PERSIST', blob},
+  {'ZRANGE', KEYS[4]}, {'HGET', KEYS[5]}, {'RPUSH', KEYS[6]}, {'LTRIM', KEYS[6]}})
+if err then return err end
+local step, count = st.step, tonumber(st.count)
 
--- Mark this apply as seen and learn the previous one in one call; a retry of an apply this
--- client already made (the reply was lost) is answered again, not applied again.
-local prev = redis.call('SET', dedup, seq, 'PX', ARGV[8], 'GET')
+-- A retry of an apply this client already made (the reply was lost) is answered again, not
+-- applied again.
+local prev = redis.call('GET', dedup)
 if prev then
   local pseq, pres = string.match(prev, '^(%d+) ?(%-?%d*)$')
   if pseq == seq then
-    redis.call('SET', dedup, prev, 'PX', ARGV[8])
+    redis.call('PEXPIRE', dedup, ARGV[8])
     -- the retry re-sent the payload with SET NX: a dropped one must not linger
     if pres == '0' and not inline then redis.call('DEL', blob) end
     return {pres == '0' and 0 or 1, step, count, 1}
   end
 end
 
-local function refuse(code, detail, stat)
+-- The payload must be there, whole: a SET refused at maxmemory, an evicted or tampered key
+-- would otherwise be accepted here and fail the take that claims it.
+if not inline and redis.call('STRLEN', blob) ~= tonumber(nbytes) then
+  return acc_error('NOBLOB ' .. blob)
+end
+
+local function refuse(code, detail)
   -- refused input is not remembered: a retry is judged again (it changed nothing)
-  if prev then redis.call('SET', dedup, prev, 'PX', ARGV[8]) else redis.call('DEL', dedup) end
-  redis.call('HINCRBY', state, stat, 1)
+  redis.call('HINCRBY', state, 'n_rejected', 1)
   if not inline then redis.call('DEL', blob) end
   return {code, step, count, 0, detail}
 end
 
-local local_step = tonumber(ARGV[3])
-if local_step < step then
-  local behind = step - local_step
+local local_step = ARGV[3]
+if int_cmp(local_step, step) < 0 then
+  local behind = tonumber(step) - tonumber(local_step)
   local s = redis.call('HMGET', state, 'n_stale', 'stale_steps', 'max_stale')
   redis.call('HSET', state, 'n_stale', int_str(tonumber(s[1]) + 1),
     'stale_steps', int_str(tonumber(s[2]) + behind),
@@ -53,20 +73,24 @@ if local_step < step then
   return {0, step, count, 0}
 end
 if count > 0 and st.rshape and st.rshape ~= ARGV[4] then
-  return refuse(-1, st.rshape, 'n_rejected')
+  return refuse(-1, st.rshape)
 end
 if count == 0 and ARGV[9] ~= '' then
-  return refuse(-2, ARGV[9], 'n_rejected')
+  return refuse(-2, ARGV[9])
+end
+local total = tonumber(st.bytes) + tonumber(nbytes)
+if st.maxbytes and total > tonumber(st.maxbytes) then
+  return refuse(-3, st.maxbytes)
 end
 
+redis.call('SET', dedup, seq, 'PX', ARGV[8])
 if inline then
   redis.call('RPUSH', grads, ARGV[6])  -- already tagged 'i' by the client (no copy here)
 else
   redis.call('RPUSH', grads, 'k' .. blob)
 end
 count = count + 1
-redis.call('HSET', state, 'count', int_str(count),
-  'bytes', int_str(tonumber(st.bytes) + tonumber(ARGV[7])),
+redis.call('HSET', state, 'count', int_str(count), 'bytes', int_str(total),
   'n_applied', int_str(tonumber(st.n_applied) + 1), 'rshape', ARGV[4])
 local ttl = touch(state, {state, grads}, st.ttl)
 if not inline then

@@ -1,17 +1,32 @@
 -- open: create the accumulator if it does not exist, else return the creator's definition.
 -- KEYS[1] state hash
--- ARGV[1] schema version, ARGV[2] definition (msgpack), ARGV[3] safety-net ttl ms (0 = none)
+-- ARGV[1] schema version  ARGV[2] definition (msgpack)  ARGV[3] safety-net ttl ms (0 = none)
+-- ARGV[4] pending-bytes limit  ARGV[5] '1' when the opener chose that limit explicitly (it
+--         then replaces the stored one), '0' when it is the library default (kept if set)
 -- Returns {1, def} when created, {0, def} when it existed (the client compares definitions).
 local state = KEYS[1]
+if not own_keys({}) then return acc_error('BADKEY 1') end
+if not (is_count(ARGV[3]) and is_count(ARGV[4]) and (ARGV[5] == '0' or ARGV[5] == '1')) then
+  return acc_error('BADARG open')
+end
 local have = redis.call('HGET', state, 'schema')
 if have then
   if have ~= ARGV[1] then return acc_error('SCHEMA ' .. have) end
+  local err = check_acl({{'HSET', state}, {'HSETNX', state}})
+  if err then return err end
+  if ARGV[5] == '1' then
+    redis.call('HSET', state, 'maxbytes', ARGV[4])
+  else
+    redis.call('HSETNX', state, 'maxbytes', ARGV[4])  -- written by an older version: none yet
+  end
   return {0, redis.call('HGET', state, 'def')}
 end
+local err = check_acl({{'HSET', state}, {'PEXPIRE', state}})
+if err then return err end
 redis.call('HSET', state,
   'schema', ARGV[1], 'def', ARGV[2], 'step', 0, 'count', 0, 'gen', 0, 'tseq', 0, 'bytes', 0,
-  'ttl', ARGV[3], 'created_ms', int_str(now_ms()),
+  'ttl', ARGV[3], 'maxbytes', ARGV[4], 'created_ms', int_str(now_ms()),
   'n_applied', 0, 'n_stale', 0, 'stale_steps', 0, 'max_stale', 0, 'n_rejected', 0,
-  'n_taken', 0, 'grads_taken', 0)
+  'n_quarantined', 0, 'n_taken', 0, 'grads_taken', 0)
 touch(state, {state})
 return {1, ARGV[2]}

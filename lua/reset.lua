@@ -1,17 +1,26 @@
--- reset: drop the pending round (count, round shape, payloads) without advancing the step.
--- KEYS[1] state  KEYS[2] grads list
+-- reset: drop the pending round (count, round shape, payloads) and the quarantined entries,
+-- without advancing the step.
+-- KEYS[1] state  KEYS[2] grads list  KEYS[3] quarantine list
 -- ARGV[1] schema
 -- Returns {number of gradients dropped, blob key...}: the blob keys are not in KEYS, so the
--- client deletes them with a plain UNLINK after this script made them unreachable.
+-- client deletes them with a plain UNLINK after this script made them unreachable. Only this
+-- accumulator's own payload keys are returned: an entry naming any other key is dropped
+-- without touching that key.
 local state, grads = KEYS[1], KEYS[2]
+local base, kerr = own_keys({':g', ':x'})
+if not base then return kerr end
 local err = check_schema(state, ARGV[1])
+if err then return err end
+err = check_acl({{'DEL', grads}, {'DEL', KEYS[3]}, {'HSET', state}, {'HDEL', state},
+  {'HINCRBY', state}, {'UNLINK', base .. ':b:0:0'}})
 if err then return err end
 local entries = redis.call('LRANGE', grads, 0, -1)
 local blobs = {#entries}
 for _, entry in ipairs(entries) do
-  if string.sub(entry, 1, 1) == 'k' then table.insert(blobs, string.sub(entry, 2)) end
+  local key = string.sub(entry, 2)
+  if string.sub(entry, 1, 1) == 'k' and is_own(base, key, 'b') then table.insert(blobs, key) end
 end
-redis.call('DEL', grads)
+redis.call('DEL', grads, KEYS[3])
 redis.call('HSET', state, 'count', 0, 'bytes', 0)
 redis.call('HDEL', state, 'rshape')
 redis.call('HINCRBY', state, 'gen', 1)

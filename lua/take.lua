@@ -1,26 +1,55 @@
 -- take: join the FIFO of takers (or renew this taker's lease) and, when this taker is at the
--- head and the round holds num_required gradients, claim the round atomically.
+-- head and the round holds num_required valid gradients, claim the round atomically.
 -- KEYS[1] state  KEYS[2] grads list  KEYS[3] takers zset  KEYS[4] taker info hash
 -- KEYS[5] claim list of this taker  KEYS[6] head wake list  KEYS[7] queue wake channel (pub/sub)
--- KEYS[8..] what this client's previous (completed) take left to free: its claim (a retry
+-- KEYS[8] quarantine list
+-- KEYS[9..] what this client's previous (completed) take left to free: its claim (a retry
 --         buffer) and the payload keys it has read; or none
 -- ARGV[1] schema  ARGV[2] taker id  ARGV[3] num_required  ARGV[4] lease ms
 -- ARGV[5] expiry ms of a claim that holds only inline payloads
--- Returns {1, claim} where claim = {header, entry...}, header = "<new step> <count>
--- <payload bytes> <0|1> <round shape>" (1 when a round shape is recorded); or {0, is_head}
--- when it must wait.
+-- ARGV[6] 'd' dense | 's' sparse  ARGV[7] bytes per element of the accumulator dtype
+-- Returns {1, claim, quarantined} where claim = {header, entry...}, header = "<new step> <count>
+-- <payload bytes> <gen> <0|1> <round shape>" (1 when a round shape is recorded); or
+-- {0, is_head, quarantined} when it must wait.
+--
+-- Before the claim every entry is checked: an inline payload or an existing payload key of
+-- this accumulator, of the length the round shape and dtype give. Anything else (a foreign key
+-- name, a missing, evicted or resized payload) is moved to the quarantine list, with the
+-- reason, and not counted: the take never claims what it cannot read.
 local state, grads, takers, info_key, claim = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local base, kerr = own_keys({':g', ':t', ':ti', '', ':w', ':q', ':x'})
+if not base then return kerr end
+local me = ARGV[2]
+if claim ~= base .. ':c:' .. me or not is_own(base, claim, 'c') or not is_count(ARGV[3])
+    or tonumber(ARGV[3]) < 1 or not is_count(ARGV[4]) or not is_count(ARGV[5])
+    or not (ARGV[6] == 'd' or ARGV[6] == 's') or not is_count(ARGV[7]) then
+  return acc_error('BADARG take')
+end
+for i = 9, #KEYS do
+  if not (is_own(base, KEYS[i], 'c') or is_own(base, KEYS[i], 'b')) then
+    return acc_error('BADKEY ' .. i)
+  end
+end
 local err, st = read_state(state, ARGV[1], {'step', 'count', 'rshape', 'ttl', 'n_taken',
   'grads_taken', 'gen', 'bytes'})
 if err then return err end
-local me = ARGV[2]
-for i = 8, #KEYS do
+if st.step == INT64_MAX then return acc_error('STEPMAX') end
+-- What this script and the client's reading of a claim (MGET, PEXPIRE, UNLINK) will need.
+local some_blob = base .. ':b:0:0'
+err = check_acl({{'UNLINK', claim}, {'UNLINK', some_blob}, {'HSET', state},
+  {'HINCRBY', state}, {'HDEL', state}, {'PEXPIRE', state}, {'ZADD', takers},
+  {'ZREM', takers}, {'HSET', info_key}, {'HDEL', info_key}, {'RENAME', grads},
+  {'LPUSH', claim}, {'PEXPIRE', claim}, {'PERSIST', claim}, {'DEL', KEYS[6]},
+  {'PUBLISH', KEYS[7]}, {'RPUSH', KEYS[8]}, {'LSET', grads}, {'LREM', grads},
+  {'MGET', some_blob}, {'PEXPIRE', some_blob}, {'PERSIST', some_blob}, {'STRLEN', some_blob}})
+if err then return err end
+for i = 9, #KEYS do
   if KEYS[i] ~= claim then redis.call('UNLINK', KEYS[i]) end  -- UNLINK: freed off-thread
 end
 
 -- A retry of a take that already claimed (the reply was lost): hand out the same round.
 if redis.call('EXISTS', claim) == 1 then
-  return {1, redis.call('LRANGE', claim, 0, -1)}
+  return {1, redis.call('LRANGE', claim, 0, -1), 0}
 end
 
 local now = now_ms()
@@ -51,7 +80,51 @@ if queued then
   end
   local head = redis.call('ZRANGE', takers, 0, 0)[1]
   if pruned and head ~= me then wake_queue(KEYS[7]) end
-  queued = head ~= nil
+  queued = head ~= nil and head ~= me
+end
+
+-- At the head (or alone) with enough gradients: check every entry before claiming.
+local quarantined = 0
+local nbytes = st.bytes
+if not queued and count >= n then
+  local dims = 1
+  for d in string.gmatch(st.rshape or '', '%d+') do dims = dims * tonumber(d) end
+  local isz = tonumber(ARGV[7])
+  local function fits(len)
+    if ARGV[6] == 'd' then return len == dims * isz end
+    return len % (8 + dims * isz) == 0
+  end
+  local entries = redis.call('LRANGE', grads, 0, -1)
+  local total, bad = 0, {}
+  for i, entry in ipairs(entries) do
+    local kind, len, why = string.sub(entry, 1, 1), nil, nil
+    if kind == 'i' then
+      len = #entry - 1
+    elseif kind == 'k' and is_own(base, string.sub(entry, 2), 'b') then
+      len = redis.call('STRLEN', string.sub(entry, 2))
+      if len == 0 then why = 'missing' end
+    else
+      why = 'foreign'
+    end
+    if not why and not fits(len) then why = 'length ' .. len end
+    if why then bad[#bad + 1] = {i, why, entry} else total = total + len end
+  end
+  if #bad > 0 then
+    for _, b in ipairs(bad) do
+      redis.call('LSET', grads, b[1] - 1, '\0bad')
+      redis.call('RPUSH', KEYS[8], b[2] .. ' ' .. b[3])
+      -- a payload key of ours with the wrong length is unusable: free it (never a foreign one)
+      if b[2] ~= 'foreign' and b[2] ~= 'missing' then redis.call('UNLINK', string.sub(b[3], 2)) end
+    end
+    redis.call('LREM', grads, 0, '\0bad')
+    count = #entries - #bad
+    nbytes = int_str(total)
+    quarantined = #bad
+    redis.call('HSET', state, 'count', int_str(count), 'bytes', nbytes)
+    redis.call('HINCRBY', state, 'n_quarantined', #bad)
+    if count == 0 then redis.call('HDEL', state, 'rshape') end
+    touch(state, {KEYS[8]}, st.ttl)
+  end
 end
 
 if queued or count < n then
@@ -62,18 +135,17 @@ if queued or count < n then
   redis.call('HSET', info_key, me,
     int_str(n) .. ' ' .. int_str(now + tonumber(ARGV[4])) .. ' ' .. int_str(joined))
   local head = redis.call('ZRANGE', takers, 0, 0)[1]
-  if head ~= me or count < n then
-    touch(state, {state, takers, info_key}, st.ttl)
-    return {0, head == me and 1 or 0}
-  end
+  touch(state, {state, takers, info_key}, st.ttl)
+  return {0, head == me and 1 or 0, quarantined}
 end
 
 -- Claim: this taker is at the head (or alone) and the round is big enough.
 -- HINCRBY keeps the step an exact int64 (Lua numbers are doubles)
+local gen = int_str(tonumber(st.gen) + 1)
 redis.call('HINCRBY', state, 'step', 1)
-local header = redis.call('HGET', state, 'step') .. ' ' .. int_str(count) .. ' ' .. st.bytes .. ' ' ..
-  (st.rshape and ('1 ' .. st.rshape) or '0 ')
-redis.call('RENAME', grads, claim)
+local header = redis.call('HGET', state, 'step') .. ' ' .. int_str(count) .. ' ' .. nbytes ..
+  ' ' .. gen .. ' ' .. (st.rshape and ('1 ' .. st.rshape) or '0 ')
+redis.call('RENAME', grads, claim)  -- count >= num_required >= 1: the list exists
 redis.call('LPUSH', claim, header)
 local entries = redis.call('LRANGE', claim, 0, -1)
 local inline_only = true
@@ -81,11 +153,11 @@ for i = 2, #entries do
   if string.sub(entries[i], 1, 1) ~= 'i' then inline_only = false break end
 end
 -- Only inline payloads: the claim is just a retry buffer and may expire. With blob keys it
--- stays until the taker has read them (a crashed taker leaves it for inspection).
+-- stays until the taker has read them (and gives it back if it cannot finish).
 if inline_only then redis.call('PEXPIRE', claim, ARGV[5]) else redis.call('PERSIST', claim) end
 
 redis.call('HSET', state, 'count', 0, 'bytes', 0, 'last_take_ms', int_str(now),
-  'last_take_wait_ms', int_str(now - joined), 'gen', int_str(tonumber(st.gen) + 1),
+  'last_take_wait_ms', int_str(now - joined), 'gen', gen,
   'n_taken', int_str(tonumber(st.n_taken) + 1),
   'grads_taken', int_str(tonumber(st.grads_taken) + count))
 redis.call('HDEL', state, 'rshape')
@@ -95,4 +167,4 @@ if redis.call('ZREM', takers, me) == 1 then
   wake_queue(KEYS[7])
 end
 touch(state, {state, takers, info_key}, st.ttl)
-return {1, entries}
+return {1, entries, quarantined}

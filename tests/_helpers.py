@@ -94,3 +94,35 @@ def start_taker(target: Any, acc: Any, num_required: int, **kwargs: Any) -> Take
     taker.start()
     wait_until(lambda: waiting_takers(target, acc) > before or not taker.is_alive())
     return taker
+
+
+#: State-hash fields that a refused or timed-out call may change by design: the statistic of
+#: refused applies, and the taker join counter (a timed-out take joined the FIFO, then left).
+BOOKKEEPING_FIELDS = frozenset({b"n_rejected", b"tseq"})
+
+
+def redis_snapshot(r: Any, prefix: str = "acc:") -> dict[bytes, Any]:
+    """Every key under ``prefix`` with its type and value, read type by type (fakeredis's DUMP
+    is not the server's format): strings by GET, hashes by HGETALL (minus
+    :data:`BOOKKEEPING_FIELDS`), lists by LRANGE, sets by SMEMBERS, zsets with their scores.
+    Expiries are not compared (PTTL moves with the clock)."""
+    out: dict[bytes, Any] = {}
+    for key in sorted(r.scan_iter(match=prefix + "*", count=1000)):
+        kind = r.type(key)
+        kind = kind.decode() if isinstance(kind, bytes) else kind
+        if kind == "string":
+            value: Any = r.get(key)
+        elif kind == "hash":
+            value = {f: v for f, v in r.hgetall(key).items() if f not in BOOKKEEPING_FIELDS}
+        elif kind == "list":
+            value = r.lrange(key, 0, -1)
+        elif kind == "set":
+            value = sorted(r.smembers(key))
+        elif kind == "zset":
+            value = r.zrange(key, 0, -1, withscores=True)
+        elif kind == "none":  # expired or deleted between SCAN and TYPE
+            continue
+        else:
+            value = kind
+        out[key] = (kind, value)
+    return out

@@ -71,9 +71,22 @@ def _claim_round(r: redis.Redis, name: str, taker: str, num_required: int) -> An
             k.claim(taker),
             k.wake,
             k.queue_wake,
-            k.claim(taker),
+            k.quarantine,
         ],  # no earlier take's retry buffer to delete
-        [SCHEMA_VERSION, taker, num_required, 15_000, 300_000],
+        [SCHEMA_VERSION, taker, num_required, 15_000, 300_000, "d", 4],
+    )
+
+
+def _leave(r: redis.Redis, name: str, taker: str) -> int:
+    """The cleanup of an interrupted take (see lua/leave.lua)."""
+    k = Keys("", name)
+    return int(
+        _scripts.call(
+            r,
+            "leave",
+            [k.state, k.takers, k.taker_info, k.wake, k.queue_wake, k.claim(taker), k.grads],
+            [taker, SCHEMA_VERSION],
+        )
     )
 
 
@@ -235,14 +248,14 @@ def test_describe_claims_left_behind(make: Callable[..., Any], r: redis.Redis) -
     big = make("crashy", shape=BIG)
     big.apply_grad(np.ones(BIG), local_step=0)
     big.apply_grad(np.ones(BIG), local_step=0)
-    reply = _claim_round(r, "crashy", "host1-dead", 2)
+    reply = _claim_round(r, "crashy", "1-dead", 2)
     assert int(reply[0]) == 1
 
     info = _admin.describe(r, "crashy")
     (claim,) = info.claims
-    assert claim.taker_id == "host1-dead"
+    assert claim.taker_id == "1-dead"
     assert (claim.step, claim.count, claim.bytes, claim.missing_blobs) == (1, 2, 80_000, 0)
-    assert claim.key == Keys("", "crashy").claim("host1-dead")
+    assert claim.key == Keys("", "crashy").claim("1-dead")
     assert info.count == 0 and info.step == 1
     assert info.stray_keys == 0  # the claim's payload keys are accounted for
     assert info.retry_buffers == 0
@@ -264,21 +277,34 @@ def test_finished_takes_are_not_left_behind(make: Callable[..., Any], r: redis.R
     assert info.claims == () and info.retry_buffers == 1 and info.stray_keys == 0
 
 
-def test_interrupted_take_leaves_its_claim(make: Callable[..., Any], r: redis.Redis) -> None:
+def test_interrupted_take_gives_its_claim_back(
+    make: Callable[..., Any], r: redis.Redis
+) -> None:
     acc = make("interrupted")
     acc.apply_grad(np.ones(SHAPE), local_step=0)
-    _claim_round(r, "interrupted", "host2-dead", 1)
-    k = Keys("", "interrupted")
-    # the taker's cleanup finds the claim and keeps it for good (see lua/leave.lua)
-    kept = _scripts.call(
-        r,
-        "leave",
-        [k.state, k.takers, k.taker_info, k.wake, k.queue_wake, k.claim("host2-dead")],
-        ["host2-dead"],
-    )
-    assert int(kept) == 1
+    _claim_round(r, "interrupted", "2-dead", 1)
+    assert acc.global_step() == 1 and acc.num_accumulated() == 0
+    acc.apply_grad(np.full(SHAPE, 2.0), local_step=1)  # applied meanwhile, at the new step
+    # the taker's cleanup gives the round back: step and count as before its take, the
+    # claimed gradient first
+    assert _leave(r, "interrupted", "2-dead") == 1
+    info = _admin.describe(r, "interrupted")
+    assert info.claims == () and info.step == 0 and info.count == 2 and info.n_taken == 0
+    np.testing.assert_array_equal(acc.take_grad(2), np.full(SHAPE, 1.5))
+    assert acc.global_step() == 1
+
+
+def test_interrupted_take_keeps_a_claim_that_cannot_go_back(
+    make: Callable[..., Any], r: redis.Redis
+) -> None:
+    acc = make("interrupted")
+    acc.apply_grad(np.ones(SHAPE), local_step=0)
+    _claim_round(r, "interrupted", "2-dead", 1)
+    acc.set_global_step(7)  # the accumulator moved on: the round cannot go back
+    assert _leave(r, "interrupted", "2-dead") == -1
     (claim,) = _admin.describe(r, "interrupted").claims
-    assert (claim.taker_id, claim.count, claim.bytes) == ("host2-dead", 1, 24)
+    assert (claim.taker_id, claim.count, claim.bytes) == ("2-dead", 1, 24)
+    assert acc.global_step() == 7 and acc.num_accumulated() == 0
 
 
 def test_describe_memory_usage_degrades(
@@ -362,7 +388,7 @@ def test_delete_removes_every_key(make: Callable[..., Any], r: redis.Redis) -> N
     other.apply_grad(np.ones(SHAPE), local_step=0)
     acc.apply_grad(np.ones(BIG), local_step=0)
     acc.apply_grad(np.ones(BIG), local_step=0)
-    _claim_round(r, "doomed", "dead-taker", 2)
+    _claim_round(r, "doomed", "3-dead", 2)
     acc.apply_grad(np.ones(BIG), local_step=1)
     keys = Keys("", "doomed")
     before = _keys_of(r, keys)

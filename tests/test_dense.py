@@ -127,10 +127,7 @@ def test_a_resent_apply_is_counted_once(target, shape):
 def test_a_resent_take_returns_the_same_round(target, shape):
     acc = make(target, shape=shape)
     acc.apply_grad(np.ones(shape))
-    k = acc._keys
-    args = [1, "taker-x", 1, 10_000, 60_000]
-    keys = [k.state, k.grads, k.takers, k.taker_info, k.claim("taker-x"), k.wake,
-            k.queue_wake, k.claim("taker-x")]  # fmt: skip
+    keys, args = acc._take_script_args("1-abc", 1, 10_000, spent=[acc._keys.claim("1-abc")])
     from accumulator import _scripts
 
     first = _scripts.call(acc.redis, "take", keys, args)
@@ -215,12 +212,7 @@ def test_a_crashed_head_taker_blocks_the_fifo_only_until_its_lease_ends(target):
     from accumulator import _scripts
 
     # a taker that joined and then vanished (process killed): lease of 0.3 s
-    reply = _scripts.call(
-        acc.redis, "take",
-        [k.state, k.grads, k.takers, k.taker_info, k.claim("ghost"), k.wake, k.queue_wake,
-         k.claim("ghost")],
-        [1, "ghost", 5, 300, 60_000],
-    )  # fmt: skip
+    reply = _scripts.call(acc.redis, "take", *acc._take_script_args("1-0", 5, 300))
     assert reply[0] == 0
     acc.apply_grad(np.ones(SMALL))
     acc.wait_slice = 0.1

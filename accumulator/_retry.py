@@ -1,0 +1,97 @@
+"""Riding out Redis faults: a time window of retries around each operation.
+
+redis-py's own ``Retry`` counts attempts; a restart or failover is a matter of seconds, so
+the library retries whole operations until a *time* window has passed (default
+:data:`RETRY_WINDOW`), with capped exponential backoff and jitter. Every operation it wraps
+is idempotent by construction (applies carry a client id and sequence number, takes a taker
+id), so a re-sent one is counted once. Past the window the caller gets one documented
+exception, :class:`UnavailableError`.
+
+The policy (:class:`Backoff`) is plain state with no I/O, so the sync driver here and any
+other driver share it.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import redis
+from redis.exceptions import AuthenticationError, AuthorizationError
+
+from ._errors import UnavailableError
+
+logger = logging.getLogger("accumulator")
+
+T = TypeVar("T")
+
+#: Seconds of unreachable Redis an operation rides through before raising UnavailableError.
+RETRY_WINDOW = 30.0
+_FIRST_DELAY = 0.05
+_MAX_DELAY = 1.0
+
+#: Transport faults: worth retrying. Wrong credentials are not (they are ConnectionErrors in
+#: redis-py, but waiting does not fix them).
+TRANSIENT = (redis.ConnectionError, redis.TimeoutError)
+_PERMANENT = (AuthenticationError, AuthorizationError)
+
+
+def is_transient(exc: BaseException) -> bool:
+    """A fault the retry window absorbs (connection refused or reset, timeouts, LOADING)."""
+    return isinstance(exc, TRANSIENT) and not isinstance(exc, _PERMANENT)
+
+
+@dataclass
+class Backoff:
+    """When to try again, and when to give up: the decisions, without the sleeping."""
+
+    window: float = RETRY_WINDOW
+    started: float | None = None  # monotonic time of the first failure
+    delay: float = _FIRST_DELAY
+    failures: int = field(default=0)
+
+    def next_delay(self, now: float) -> float | None:
+        """Seconds to wait before the next attempt, or None: the window is over."""
+        if self.started is None:
+            self.started = now
+        self.failures += 1
+        left = self.started + self.window - now
+        if left <= 0:
+            return None
+        wait = min(self.delay * random.uniform(0.5, 1.0), left)
+        self.delay = min(self.delay * 2, _MAX_DELAY)
+        return wait
+
+
+def call(
+    fn: Callable[[], T],
+    what: str,
+    *,
+    window: float = RETRY_WINDOW,
+    give_up: Callable[[], bool] = lambda: False,
+) -> T:
+    """``fn()``, retried on transient faults for up to ``window`` seconds.
+
+    ``give_up()`` is asked before each retry (e.g. the accumulator was closed). Raises
+    :class:`UnavailableError` (with the last fault as ``__cause__``) after the window.
+    """
+    backoff = Backoff(window)
+    while True:
+        try:
+            return fn()
+        except TRANSIENT as exc:
+            if not is_transient(exc):
+                raise
+            wait = backoff.next_delay(time.monotonic())
+            if wait is None or give_up():
+                raise UnavailableError(
+                    f"{what}: Redis unreachable for {window:g}s "
+                    f"({backoff.failures} attempts; last: {type(exc).__name__}: {exc})"
+                ) from exc
+            if backoff.failures == 1:
+                logger.info("%s: %s; retrying for up to %gs", what, exc, window)
+            time.sleep(wait)

@@ -1,0 +1,379 @@
+"""A shared Redis is hostile ground: foreign key names in a round, missing payloads, a full
+server, a take that fails after its claim, bad script input, huge rounds, dropped
+connections. Each test fails on the library before issue 8's fixes."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import redis
+
+import accumulator
+from accumulator import _reduce, _scripts
+from accumulator._keys import SCHEMA_VERSION, Keys
+
+SMALL = (3, 2)
+LARGE = (64, 1024)  # 256 KiB of float32: its own payload key
+
+
+def make(target, shared_name="h", shape=SMALL, dtype=np.float32, **kw):
+    return accumulator.ConditionalAccumulator(
+        dtype, shape=shape, shared_name=shared_name, client=target.client(), **kw
+    )
+
+
+def snapshot(r: redis.Redis, pattern: str = "*") -> dict[bytes, object]:
+    """Every key matching ``pattern`` with its type-aware value (TTL ignored)."""
+    out: dict[bytes, object] = {}
+    for key in sorted(r.scan_iter(match=pattern)):
+        kind = r.type(key)
+        if kind == b"string":
+            out[key] = r.get(key)
+        elif kind == b"hash":
+            out[key] = r.hgetall(key)
+        elif kind == b"list":
+            out[key] = r.lrange(key, 0, -1)
+        elif kind == b"zset":
+            out[key] = r.zrange(key, 0, -1, withscores=True)
+    return out
+
+
+def forge_entry(r: redis.Redis, acc, entry: bytes) -> None:
+    """What a tenant allowed to write ``acc:*`` can do: push an entry and count it."""
+    k = acc._keys
+    r.rpush(k.grads, entry)
+    r.hincrby(k.state, "count", 1)
+
+
+# -- 1. blob-key trust --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [SMALL, LARGE], ids=["inline", "blob"])
+def test_a_forged_entry_never_makes_a_take_read_or_delete_a_foreign_key(target, shape, caplog):
+    r = target.redis()
+    r.set("prod:secret", b"x" * 24)
+    other = make(target, "other", shape=LARGE)
+    other.apply_grad(np.ones(LARGE))
+    other_blob = r.lrange(other._keys.grads, 0, -1)[0][1:]
+    acc = make(target, shape=shape)
+    acc.apply_grad(np.ones(shape))
+    forge_entry(r, acc, b"kprod:secret")
+    forge_entry(r, acc, b"k" + other_blob)  # another accumulator's payload: not ours either
+    forge_entry(r, acc, b"zjunk")
+    acc.apply_grad(np.full(shape, 3.0))
+    assert acc.num_accumulated() == 5
+    # the take refuses the three forged entries before claiming, and goes on with the valid two
+    np.testing.assert_array_equal(acc.take_grad(2, timeout=5), np.full(shape, 2.0))
+    assert "quarantined 3" in caplog.text
+    assert r.get("prod:secret") == b"x" * 24
+    assert r.lrange(other._keys.grads, 0, -1)[0][1:] == other_blob and r.exists(other_blob)
+    assert other.take_grad(1).sum() == np.prod(LARGE)
+    quarantine = r.lrange(acc._keys.quarantine, 0, -1)
+    assert sorted(q.split(b" ", 1)[0] for q in quarantine) == [b"foreign"] * 3
+    info = accumulator._admin.describe(r, "h")
+    assert info.quarantined == 3 and info.n_quarantined == 3
+
+
+def test_reset_and_delete_never_touch_a_foreign_key(target):
+    r = target.redis()
+    r.set("prod:secret", b"s")
+    acc = make(target)
+    acc.apply_grad(np.ones(SMALL))
+    forge_entry(r, acc, b"kprod:secret")
+    forge_entry(r, acc, b"kacc:{:h}:b:zz:1/../prod:secret")
+    assert accumulator._admin.reset(r, "h") == 3
+    assert r.get("prod:secret") == b"s"
+    assert acc.num_accumulated() == 0
+    forge_entry(r, acc, b"kprod:secret")
+    assert accumulator._admin.delete(r, "h") >= 1
+    assert r.get("prod:secret") == b"s"
+    r.set("ns:secret", b"s")
+    acc2 = make(target, "c2")
+    forge_entry(r, acc2, b"kns:secret")
+    assert accumulator.reset_container("", client=target.client()) == 1
+    assert r.get("ns:secret") == b"s"
+
+
+def test_a_take_with_too_few_valid_entries_waits_and_changes_nothing_else(target):
+    r = target.redis()
+    acc = make(target)
+    acc.apply_grad(np.ones(SMALL))
+    forge_entry(r, acc, b"kprod:secret")
+    with pytest.raises(accumulator.DeadlineExceededError):
+        acc.take_grad(2, timeout=0.2)
+    assert acc.global_step() == 0 and acc.num_accumulated() == 1
+    acc.apply_grad(np.ones(SMALL))
+    np.testing.assert_array_equal(acc.take_grad(2, timeout=5), np.ones(SMALL))
+
+
+def test_a_missing_or_resized_payload_is_quarantined_not_claimed(target):
+    r = target.redis()
+    acc = make(target, shape=LARGE)
+    for value in (1.0, 2.0, 3.0):
+        acc.apply_grad(np.full(LARGE, value))
+    first, second, _ = (e[1:] for e in r.lrange(acc._keys.grads, 0, -1))
+    r.delete(first)  # evicted, expired, or deleted by hand
+    r.set(second, b"short")  # overwritten
+    with pytest.raises(accumulator.DeadlineExceededError):
+        acc.take_grad(2, timeout=0.2)
+    assert acc.global_step() == 0 and acc.num_accumulated() == 1
+    assert not r.exists(second)  # our own corrupt payload is freed
+    np.testing.assert_array_equal(acc.take_grad(1, timeout=5), np.full(LARGE, 3.0))
+    reasons = sorted(q.split(b" ", 1)[0] for q in r.lrange(acc._keys.quarantine, 0, -1))
+    assert reasons == [b"length", b"missing"]
+
+
+def test_private_accumulators_cannot_be_opened_by_their_listed_name(target):
+    private = accumulator.ConditionalAccumulator(np.float32, SMALL, client=target.client())
+    (info,) = accumulator.list_accumulators(client=target.client())
+    assert info.shared_name.startswith("__private__/")
+    with pytest.raises(accumulator.InvalidArgumentError, match="private"):
+        make(target, info.shared_name)
+    private.close()
+
+
+# -- 6. maxmemory -------------------------------------------------------------------------------
+
+
+def test_apply_at_maxmemory_is_refused_and_changes_nothing(real):
+    r = real.redis()
+    acc = make(real, shape=LARGE)
+    acc.apply_grad(np.ones(LARGE))
+    used = int(r.info("memory")["used_memory"])
+    r.config_set("maxmemory", used + 64 * 1024)
+    try:
+        before = snapshot(r, acc._keys.pattern)
+        with pytest.raises(accumulator.ResourceExhaustedError, match="out of memory"):
+            acc.apply_grad(np.ones(LARGE))
+        assert snapshot(r, acc._keys.pattern) == before
+        assert acc.num_accumulated() == 1
+    finally:
+        r.config_set("maxmemory", 0)
+    np.testing.assert_array_equal(acc.take_grad(1, timeout=5), np.ones(LARGE))
+
+
+def test_a_payload_that_did_not_land_is_not_accepted(target):
+    """The apply script itself checks the payload key (a SET refused at maxmemory)."""
+    acc = make(target, shape=LARGE)
+    k = acc._keys
+    keys = [k.state, k.grads, k.dedup("ab"), k.takers, k.taker_info, k.wake, k.blob("ab", 1)]
+    args = [SCHEMA_VERSION, 1, 0, "64,1024", "k", b"", 262144, 60000, ""]
+    before = snapshot(target.redis(), k.pattern)
+    with pytest.raises(accumulator.ResourceExhaustedError, match="not stored"):
+        _scripts.call(acc.redis, "apply", keys, args)
+    assert snapshot(target.redis(), k.pattern) == before
+
+
+def test_open_warns_when_redis_may_evict_our_keys(real, caplog):
+    r = real.redis()
+    r.config_set("maxmemory-policy", "allkeys-lru")
+    try:
+        accumulator._core._policy_checked.clear()
+        make(real)
+        assert "maxmemory-policy is 'allkeys-lru'" in caplog.text
+    finally:
+        r.config_set("maxmemory-policy", "noeviction")
+        accumulator._core._policy_checked.clear()
+
+
+# -- 7. no claim-then-fail ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [SMALL, LARGE], ids=["inline", "blob"])
+def test_a_take_that_fails_after_claiming_gives_the_round_back(target, shape, monkeypatch):
+    acc = make(target, shape=shape)
+    acc.apply_grad(np.ones(shape))
+    acc.apply_grad(np.full(shape, 3.0))
+
+    def out_of_memory(*args, **kwargs):
+        raise MemoryError
+
+    monkeypatch.setattr(_reduce, "dense_reduce", out_of_memory)
+    with pytest.raises(MemoryError):
+        acc.take_grad(2)
+    assert acc.global_step() == 0 and acc.num_accumulated() == 2
+    monkeypatch.undo()
+    acc.apply_grad(np.full(shape, 5.0), local_step=0)
+    np.testing.assert_array_equal(acc.take_grad(3, timeout=5), np.full(shape, 3.0))
+    info = accumulator._admin.describe(target.redis(), "h")
+    assert info.claims == () and info.n_taken == 1 and info.grads_taken == 3
+
+
+def test_a_sparse_take_that_fails_while_merging_gives_the_round_back(target, monkeypatch):
+    acc = accumulator.SparseConditionalAccumulator(
+        np.float32, (10, 2), shared_name="s", client=target.client()
+    )
+    acc.apply_grad([1, 3], np.ones((2, 2)))
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_reduce, "sparse_merge", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        acc.take_grad(1)
+    assert acc.global_step() == 0 and acc.num_accumulated() == 1
+    monkeypatch.undo()
+    indices, values, _ = acc.take_grad(1, timeout=5)
+    assert indices.tolist() == [1, 3] and values.sum() == 4
+
+
+# -- 8. scripts check their input before writing ------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [(5, b"garbage"), (1, b"12x"), (6, b"-5"), (2, b"1e3"), (2, str(2**63).encode()),
+     (2, b"01"), (3, b"3;2"), (4, b"z"), (7, b"soon")],
+)  # fmt: skip
+def test_apply_script_refuses_garbage_before_any_write(target, field, value):
+    acc = make(target)
+    acc.apply_grad(np.ones(SMALL))
+    k = acc._keys
+    payload = np.ones(SMALL, np.float32).tobytes()
+    keys = [k.state, k.grads, k.dedup("ab"), k.takers, k.taker_info, k.wake, k.blob("ab", 1)]
+    args: list[object] = [SCHEMA_VERSION, 1, 0, "3,2", "i", b"i" + payload, len(payload),
+                          60000, ""]  # fmt: skip
+    args[field] = value  # args[0] is ARGV[1]
+    r = target.redis()
+    before = snapshot(r)
+    with pytest.raises(accumulator.InvalidArgumentError, match="BADARG|BADKEY"):
+        _scripts.call(acc.redis, "apply", keys, args)
+    assert snapshot(r) == before
+
+
+def test_scripts_refuse_keys_of_another_accumulator(target):
+    acc, other = make(target), make(target, "other")
+    o = other._keys
+    k = acc._keys
+    keys = [k.state, o.grads, k.dedup("ab"), k.takers, k.taker_info, k.wake, k.blob("ab", 1)]
+    payload = np.ones(SMALL, np.float32).tobytes()
+    args = [SCHEMA_VERSION, 1, 0, "3,2", "i", b"i" + payload, len(payload), 60000, ""]
+    before = snapshot(target.redis())
+    with pytest.raises(accumulator.InvalidArgumentError, match="BADKEY"):
+        _scripts.call(acc.redis, "apply", keys, args)
+    with pytest.raises(accumulator.InvalidArgumentError, match="BADKEY"):
+        _scripts.call(acc.redis, "reset", [k.state, k.grads, "prod:secret"], [SCHEMA_VERSION])
+    assert snapshot(target.redis()) == before
+
+
+# -- 9. bad input -------------------------------------------------------------------------------
+
+
+def test_numpy_timeouts_work_and_bools_are_refused(target):
+    acc = make(target)
+    for timeout in (np.float64(0.05), np.int64(0), np.float32(0.01)):
+        with pytest.raises(accumulator.DeadlineExceededError):
+            acc.take_grad(1, timeout=timeout)
+    for timeout in (True, np.bool_(False), "1", -1, float("nan"), float("inf")):
+        with pytest.raises(accumulator.InvalidArgumentError, match="timeout"):
+            acc.take_grad(1, timeout=timeout)
+    assert target.redis().zcard(acc._keys.takers) == 0
+
+
+@pytest.mark.parametrize("where", ["shared_name", "container"])
+def test_names_that_are_not_unicode_text_are_refused(target, where):
+    kwargs = {"shared_name": "ok", where: "bad\ud800"}
+    with pytest.raises(accumulator.InvalidArgumentError, match="UTF-8"):
+        accumulator.ConditionalAccumulator(np.float32, SMALL, client=target.client(), **kwargs)
+    with pytest.raises(TypeError, match="must be a str"):
+        accumulator.ConditionalAccumulator(
+            np.float32, SMALL, shared_name=b"bytes", client=target.client()
+        )
+    assert snapshot(target.redis()) == {}
+
+
+def test_steps_near_int64_limits_are_exact(target):
+    acc = make(target)
+    acc.set_global_step(2**53 + 1)
+    # as Lua doubles 2**53 == 2**53 + 1: the stale check must compare exactly
+    assert acc.apply_grad(np.ones(SMALL), local_step=2**53) is False
+    assert acc.apply_grad(np.ones(SMALL), local_step=2**53 + 1) is True
+    acc.set_global_step(2**63 - 1)
+    assert acc.apply_grad(np.ones(SMALL), local_step=2**63 - 2) is False
+    assert acc.apply_grad(np.ones(SMALL), local_step=2**63 - 1) is True
+    r = target.redis()
+    before = snapshot(r)
+    with pytest.raises(accumulator.InvalidArgumentError, match="int64 maximum"):
+        acc.take_grad(1)
+    assert snapshot(r) == before
+    assert acc.global_step() == 2**63 - 1 and acc.num_accumulated() == 2
+    acc.set_global_step(-(2**63))
+    assert acc.global_step() == -(2**63)
+
+
+# -- 10. bounded rounds -------------------------------------------------------------------------
+
+
+def test_pending_bytes_are_bounded(target):
+    acc = make(target, max_pending_bytes=100)  # 24 bytes a gradient
+    for _ in range(4):
+        assert acc.apply_grad(np.ones(SMALL))
+    with pytest.raises(accumulator.ResourceExhaustedError, match="max_pending_bytes=100"):
+        acc.apply_grad(np.ones(SMALL))
+    assert acc.num_accumulated() == 4
+    assert acc.apply_grad(np.ones(SMALL), local_step=-1) is False  # stale: dropped as ever
+    # another opener without a limit keeps the stored one; an explicit one replaces it
+    assert accumulator._admin.describe(target.redis(), "h").max_pending_bytes == 100
+    make(target)
+    assert accumulator._admin.describe(target.redis(), "h").max_pending_bytes == 100
+    make(target, max_pending_bytes=1000).apply_grad(np.ones(SMALL))
+    assert acc.num_accumulated() == 5
+    default = make(target, "d")
+    assert accumulator._admin.describe(target.redis(), "d").max_pending_bytes == (
+        accumulator._core.DEFAULT_MAX_PENDING_BYTES
+    )
+    default.close()
+    with pytest.raises(accumulator.InvalidArgumentError, match="max_pending_bytes"):
+        make(target, max_pending_bytes=0)
+
+
+# -- 11. transient faults -----------------------------------------------------------------------
+
+
+def test_killed_connections_are_invisible(own_server):
+    acc = make(own_server, shape=LARGE)
+    acc.wait_slice = 0.2
+    admin = own_server.server.client()
+    result: list[np.ndarray] = []
+    taker = threading.Thread(target=lambda: result.append(acc.take_grad(2, timeout=30)))
+    taker.start()
+    for _ in range(2):
+        time.sleep(0.3)
+        admin.client_kill_filter(_type="normal", skipme=True)
+        assert acc.apply_grad(np.ones(LARGE))
+    taker.join(30)
+    np.testing.assert_array_equal(result[0], np.ones(LARGE))
+    assert acc.global_step() == 1
+
+
+def test_a_restart_shorter_than_the_window_is_ridden_through(own_server):
+    server = own_server.server
+    acc = make(own_server)
+    acc.apply_grad(np.ones(SMALL))
+    server.stop()  # no persistence: the state is gone, but the client must not see the outage
+    threading.Timer(1.0, server.start).start()
+    with pytest.raises(accumulator.NotFoundError):  # reached the server again, state gone
+        acc.apply_grad(np.ones(SMALL))
+
+
+def test_a_longer_outage_raises_unavailable(own_server):
+    acc = make(own_server)
+    acc.retry_window = 0.5
+    own_server.server.stop()
+    t0 = time.monotonic()
+    with pytest.raises(accumulator.UnavailableError, match="unreachable") as err:
+        acc.apply_grad(np.ones(SMALL))
+    assert isinstance(err.value, ConnectionError)
+    assert isinstance(err.value.__cause__, redis.ConnectionError)
+    assert time.monotonic() - t0 < 10
+
+
+def test_keys_helper_recognises_only_own_blob_keys():
+    k = Keys("c", "n")
+    assert k.is_blob(k.blob("0a1b", 7))
+    for bad in ("prod:secret", k.blob("0a1b", 7) + "\n", k.blob("xyz", 1), k.base + ":b:",
+                Keys("c", "m").blob("ab", 1), k.base + ":b:ab:1:2"):  # fmt: skip
+        assert not k.is_blob(bad), bad
