@@ -1,0 +1,54 @@
+"""The Redis ACL rules of the three roles the README's "Security" section documents.
+
+Each is exactly what the library needs, no more: the commands its scripts and clients send,
+on its own keys and channels only. The tests create real users with these rules and run the
+dense and sparse accumulators, the sync helper and the CLI with them; the README shows them
+verbatim (a test checks that too).
+
+- ``worker``: apply gradients and take them (a chief using the raw API); private
+  accumulators included.
+- ``viewer``: the read-only CLI commands ``ls``, ``show`` and ``watch``.
+- ``sync``: a job of ``accumulator.sync`` (chief and workers): a worker's rights plus the
+  job's own keys (``accsync:*``) and the admin calls the chief makes on its accumulators.
+"""
+
+from __future__ import annotations
+
+from ._keys import DEFAULT_PREFIX, SYNC_PREFIX
+
+_CONNECTION = "+ping +hello +select"  # redis-py tolerates a refused CLIENT SETINFO
+# What the scripts (lua/) call, and what the client sends around them.
+_WORKER = (
+    "+evalsha +eval +script|load +time "
+    "+get +set +mget +del +unlink +exists +strlen +pexpire +persist +rename "
+    "+hget +hmget +hset +hsetnx +hdel +hincrby "
+    "+rpush +lpush +lpop +lrange +lset +lrem +ltrim +blpop "
+    "+zadd +zrem +zrange +zscore +zcard "
+    "+publish +subscribe +unsubscribe +scan"
+)
+_VIEWER = (
+    "+scan +type +hgetall +hmget +zrange +zcard +lrange +llen +pttl +exists +strlen +time "
+    "+multi +exec +memory|usage +info"
+)
+
+
+def _rules(keys: str, channels: str, commands: str) -> str:
+    parts = ["resetkeys", keys, "resetchannels", channels, "-@all", _CONNECTION, commands]
+    return " ".join(p for p in parts if p)
+
+
+#: role -> the ACL rules after ``ACL SETUSER <name> on ><password>``.
+ROLES: dict[str, str] = {
+    "worker": _rules(f"~{DEFAULT_PREFIX}:*", f"&{DEFAULT_PREFIX}:*", _WORKER),
+    "viewer": _rules(f"%R~{DEFAULT_PREFIX}:*", "", _VIEWER),
+    "sync": _rules(
+        f"~{DEFAULT_PREFIX}:* ~{SYNC_PREFIX}:*",
+        f"&{DEFAULT_PREFIX}:* &{SYNC_PREFIX}:*",
+        _WORKER + " +hgetall +multi +exec",
+    ),
+}
+
+
+def setuser_command(role: str, user: str = "", password: str = "PASSWORD") -> str:
+    """The ``ACL SETUSER`` line for a role, as the README prints it."""
+    return f"ACL SETUSER {user or 'acc-' + role} on >{password} {ROLES[role]}"

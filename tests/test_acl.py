@@ -1,0 +1,165 @@
+"""The three roles of the README's "Security" section, as real ACL users on a real server:
+each runs what it is for with exactly those rights, and a missing right fails before the
+first write, naming the command."""
+
+from __future__ import annotations
+
+import io
+import re
+import threading
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+import numpy as np
+import pytest
+import redis
+
+import accumulator
+from accumulator import _acl, _cli
+from accumulator.sync import ParameterServer, Worker
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+SHAPE = (3, 2)
+
+
+def user_url(url: str, user: str, password: str) -> str:
+    parts = urlsplit(url)
+    return urlunsplit(parts._replace(netloc=f"{user}:{password}@{parts.hostname}:{parts.port}"))
+
+
+@pytest.fixture
+def acl(real):
+    """make(role, rules=None) -> URL of a fresh user with that role's rules (or the given)."""
+    admin = real.redis()
+    made: list[str] = []
+
+    def make(role: str, rules: str | None = None) -> str:
+        name = f"test-{role}-{len(made)}"
+        admin.execute_command("ACL", "SETUSER", name, "reset", "on", ">pw",
+                              *(rules or _acl.ROLES[role]).split())  # fmt: skip
+        made.append(name)
+        return user_url(real.url, name, "pw")
+
+    yield make
+    for name in made:
+        admin.execute_command("ACL", "DELUSER", name)
+
+
+def test_readme_shows_the_exact_rules():
+    text = README.read_text()
+    for role in _acl.ROLES:
+        assert _acl.setuser_command(role) in text, role
+
+
+def test_worker_role_runs_dense_sparse_and_private_accumulators(acl):
+    url = acl("worker")
+    w = accumulator.ConditionalAccumulator(np.float32, SHAPE, shared_name="w", client=url)
+    chief = accumulator.ConditionalAccumulator(np.float32, SHAPE, shared_name="w", client=url)
+    chief.wait_slice = 0.2
+    big = accumulator.ConditionalAccumulator(np.float32, (64, 1024), shared_name="big",
+                                             client=url)  # fmt: skip
+    result: list[np.ndarray] = []
+    taker = threading.Thread(target=lambda: result.append(chief.take_grad(2, timeout=10)))
+    taker.start()
+    assert w.apply_grad(np.ones(SHAPE)) and w.apply_grad(np.full(SHAPE, 3.0))
+    taker.join(10)
+    np.testing.assert_array_equal(result[0], np.full(SHAPE, 2.0))
+    assert w.apply_grad(np.ones(SHAPE), local_step=0) is False
+    w.set_global_step(5)
+    big.apply_grad(np.ones((64, 1024)))
+    assert big.take_grad(1).sum() == 64 * 1024
+    s = accumulator.SparseConditionalAccumulator(np.float32, (10, 2), shared_name="s", client=url)
+    s.apply_grad([1, 2], np.ones((2, 2)))
+    assert s.take_grad(1).indices.tolist() == [1, 2]
+    private = accumulator.ConditionalAccumulator(np.float32, SHAPE, client=url)
+    private.apply_grad(np.ones(SHAPE))
+    private.close()  # deletes its keys (SCAN + UNLINK)
+
+
+def test_viewer_role_runs_the_read_only_cli(acl, real):
+    acc = accumulator.ConditionalAccumulator(np.float32, SHAPE, shared_name="v", client=real.url)
+    acc.apply_grad(np.ones(SHAPE))
+    url = acl("viewer")
+    for argv in (["ls"], ["ls", "--json"], ["show", "v"], ["watch", "v", "-n", "1"]):
+        out, err = io.StringIO(), io.StringIO()
+        code = _cli.main(["--url", url, *argv], stdout=out, stderr=err)
+        assert code == 0, (argv, err.getvalue())
+        assert "v" in out.getvalue()
+    # and nothing more: a write is refused
+    out, err = io.StringIO(), io.StringIO()
+    assert _cli.main(["--url", url, "reset", "v", "--yes"], stdout=out, stderr=err) != 0
+    assert acc.num_accumulated() == 1
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        redis.Redis.from_url(url).set("acc:{:v}:s", "x")
+
+
+def test_sync_role_runs_a_job(acl):
+    url = acl("sync")
+    params = {"w": np.zeros(SHAPE), "emb": np.zeros((10, 2))}
+    ps = ParameterServer("job", replicas_to_aggregate=1, sparse={"emb"}, client=url)
+    ps.initialize(params)
+    worker = Worker("job", client=url)
+    step, _ = worker.pull(timeout=10)
+    for i in range(3):
+        assert all(worker.push(step, {"w": np.ones(SHAPE), "emb": ([1], np.ones((1, 2)))}).values())
+        ps.step(0.5, timeout=10, final=i == 2)
+        if i < 2:
+            step, pulled = worker.pull(after=step, timeout=10)
+    np.testing.assert_allclose(ps.params["w"], np.full(SHAPE, -1.5))
+    assert ps.stats().step == 3
+    worker.close()
+    ps.delete()
+    ps.close()
+
+
+def _without(role: str, command: str) -> str:
+    return re.sub(rf" \+{re.escape(command)}(?= |$)", "", _acl.ROLES[role]) + f" -{command}"
+
+
+@pytest.mark.parametrize("command", ["publish", "rename", "mget", "unlink", "hdel"])
+def test_a_take_missing_a_permission_fails_before_claiming(acl, real, command):
+    acc = accumulator.ConditionalAccumulator(np.float32, (64, 1024), shared_name="p",
+                                             client=real.url)  # fmt: skip
+    acc.apply_grad(np.ones((64, 1024)))
+    chief = accumulator.ConditionalAccumulator(np.float32, (64, 1024), shared_name="p",
+                                               client=acl("worker", _without("worker", command)))  # fmt: skip
+    with pytest.raises(accumulator.PermissionDeniedError, match=command.upper()):
+        chief.take_grad(1, timeout=5)
+    assert (acc.global_step(), acc.num_accumulated()) == (0, 1)
+    info = accumulator._admin.describe(real.redis(), "p")
+    assert info.claims == () and info.takers_waiting == 0
+    np.testing.assert_array_equal(acc.take_grad(1, timeout=5), np.ones((64, 1024)))
+
+
+@pytest.mark.parametrize("command", ["rpush", "hincrby", "persist", "ltrim"])
+def test_an_apply_missing_a_permission_fails_before_writing(acl, real, command):
+    acc = accumulator.ConditionalAccumulator(np.float32, SHAPE, shared_name="p", client=real.url)
+    worker = accumulator.ConditionalAccumulator(
+        np.float32, SHAPE, shared_name="p", client=acl("worker", _without("worker", command))
+    )
+    r = real.redis()
+    before = {k: r.type(k) for k in r.scan_iter("acc:*")}
+    state = r.hgetall(acc._keys.state)
+    with pytest.raises(accumulator.PermissionDeniedError, match=command.upper()):
+        worker.apply_grad(np.ones(SHAPE))
+    assert {k: r.type(k) for k in r.scan_iter("acc:*")} == before
+    assert r.hgetall(acc._keys.state) == state
+    # the same apply, retried once allowed, counts once: the refusal left no dedup record
+    assert acc.apply_grad(np.ones(SHAPE)) and acc.num_accumulated() == 1
+
+
+def test_script_load_refused_is_fine_while_the_scripts_are_loaded(acl, real):
+    accumulator.ConditionalAccumulator(np.float32, SHAPE, shared_name="l", client=real.url)
+    rules = _without("worker", "script|load").replace(" +eval ", " ")
+    url = acl("worker", rules)
+    acc = accumulator.ConditionalAccumulator(np.float32, SHAPE, shared_name="l", client=url)
+    assert acc.apply_grad(np.ones(SHAPE))
+    real.redis().script_flush()
+    with pytest.raises(accumulator.PermissionDeniedError):
+        acc.apply_grad(np.ones(SHAPE))
+    # with EVAL allowed, an empty script cache is no problem either
+    acc2 = accumulator.ConditionalAccumulator(
+        np.float32, SHAPE, shared_name="l", client=acl("worker", _without("worker", "script|load"))
+    )
+    real.redis().script_flush()
+    assert acc2.apply_grad(np.ones(SHAPE)) and acc2.num_accumulated() == 2
