@@ -121,8 +121,8 @@ def test_a_take_missing_a_permission_fails_before_claiming(acl, real, command):
     acc = accumulator.ConditionalAccumulator(np.float32, (64, 1024), shared_name="p",
                                              client=real.url)  # fmt: skip
     acc.apply_grad(np.ones((64, 1024)))
-    chief = accumulator.ConditionalAccumulator(np.float32, (64, 1024), shared_name="p",
-                                               client=acl("worker", _without("worker", command)))  # fmt: skip
+    url = acl("worker", _without("worker", command))
+    chief = accumulator.ConditionalAccumulator(np.float32, (64, 1024), shared_name="p", client=url)
     with pytest.raises(accumulator.PermissionDeniedError, match=command.upper()):
         chief.take_grad(1, timeout=5)
     assert (acc.global_step(), acc.num_accumulated()) == (0, 1)
