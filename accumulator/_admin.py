@@ -248,6 +248,44 @@ def _not_found(shared_name: str, container: str) -> NotFoundError:
     return NotFoundError(f"no accumulator named {shared_name!r}{where}")
 
 
+@dataclass(frozen=True)
+class Unreadable(Info):
+    """An entry :func:`list_accumulators` found but could not read: one of its keys has the
+    wrong type (e.g. a string that another program wrote where the state hash belongs). Its
+    definition fields are ``"?"``, its numbers 0; ``error`` says which key holds what (also in
+    ``to_dict()``)."""
+
+    error: str = ""
+
+
+#: What list_accumulators reads from each key, for the message when a key holds another type.
+_LISTED_TYPES = {"state": "hash", "takers": "sorted set"}
+_TYPE_NAMES = {"zset": "sorted set", "none": "nothing (removed meanwhile)"}
+
+
+def _wrong_type(reply: Any) -> bool:
+    return isinstance(reply, ResponseError) and str(reply).startswith("WRONGTYPE")
+
+
+def _unreadable(
+    r: redis.Redis, container: str, name: str, wrong: list[tuple[str, str]], now: int | None
+) -> Unreadable:
+    notes = []
+    for key, wanted in wrong:
+        try:
+            held = _text(r.type(key))
+        except redis.RedisError:
+            held = "?"
+        notes.append(f"{key} holds a {_TYPE_NAMES.get(held, held)} where a {wanted} belongs")
+    error = "; ".join(notes) + " (a key written by another program?)"
+    logger.info("list_accumulators: %s", error)
+    return Unreadable(
+        container=container, shared_name=name, kind="?", dtype="?", shape=None, reduction="?",
+        schema="", step=0, count=0, round_shape=None, bytes=0, gen=0, takers_waiting=0,
+        private=False, created_ms=None, now_ms=now, error=error,
+    )  # fmt: skip
+
+
 def list_accumulators(
     r: redis.Redis, container: str | None = None, *, prefix: str = DEFAULT_PREFIX
 ) -> list[Info]:
@@ -255,6 +293,10 @@ def list_accumulators(
 
     One SCAN over the state keys, then one pipelined round trip: HGETALL of each state and
     ZCARD of each takers zset. Lifetime statistics are included; takers and claims are not.
+
+    A foreign key under the prefix does not make the listing fail: an entry whose state or
+    takers key has the wrong type (WRONGTYPE) is listed as an :class:`Unreadable` (an
+    :class:`Info` whose ``error`` says why), in its sorted place. Other errors raise.
     """
     found: list[tuple[str, str, Keys]] = []
     for raw in _scan(r, state_pattern(container, prefix)):
@@ -279,11 +321,22 @@ def list_accumulators(
     for _, _, keys in found:
         pipe.hgetall(keys.state)
         pipe.zcard(keys.takers)
-    replies = pipe.execute()
+    replies = pipe.execute(raise_on_error=False)
+    for reply in replies:
+        if isinstance(reply, Exception) and not _wrong_type(reply):
+            raise reply
     now = _server_ms(replies[0])
     out: list[Info] = []
-    for i, (cont, name, _) in enumerate(found):
+    for i, (cont, name, keys) in enumerate(found):
         state, waiting = replies[1 + 2 * i], replies[2 + 2 * i]
+        wrong = [
+            (key, _LISTED_TYPES[what])
+            for what, key, reply in (("state", keys.state, state), ("takers", keys.takers, waiting))
+            if _wrong_type(reply)
+        ]
+        if wrong:
+            out.append(_unreadable(r, cont, name, wrong, now))
+            continue
         if not state:  # deleted between SCAN and HGETALL
             continue
         out.append(_info(cont, name, state, int(waiting or 0), now))
@@ -419,7 +472,7 @@ def describe(
         _key_bytes(k)
         for k in (
             keys.state, keys.grads, keys.takers, keys.taker_info, keys.wake, keys.queue_wake,
-            keys.quarantine,
+            keys.quarantine, keys.claims,
         )
     }  # fmt: skip
     claim_head = _key_bytes(keys.claim(""))
@@ -529,7 +582,7 @@ def delete(
     deleted; raises :class:`NotFoundError` when there was none."""
     keys = Keys(container, shared_name, prefix)
     fixed = [keys.state, keys.grads, keys.takers, keys.taker_info, keys.wake, keys.queue_wake,
-             keys.quarantine]  # fmt: skip
+             keys.quarantine, keys.claims]  # fmt: skip
     # The state first, atomically with reading the round: from here on every script answers
     # NOTFOUND, so nothing new is added while the rest is found and removed.
     pipe = r.pipeline(transaction=True)

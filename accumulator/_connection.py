@@ -81,11 +81,11 @@ _PACKER = _Packer()
 
 @dataclass
 class Connections:
-    """The two clients one accumulator object uses."""
+    """The two clients one accumulator object uses. No URL is kept (it may hold a password);
+    the pools' own connection settings are redis-py's business."""
 
     commands: redis.Redis  # scripts, payload writes and reads
     blocking: redis.Redis  # BLPOP waits only; its socket timeout outlasts one wait slice
-    url: str | None
 
     def close(self) -> None:
         self.blocking.close()
@@ -125,9 +125,9 @@ def connect(client: redis.Redis | str | None) -> Connections:
             retry_on_error=[RedisConnectionError, RedisTimeoutError],
             health_check_interval=30,
         )
-        url: str | None = client
+        owned = True
     elif isinstance(client, redis.Redis):
-        base, url = client, None
+        base, owned = client, False
     else:
         raise TypeError(
             f"client must be a redis.Redis (plain or Sentinel-managed), a URL or None, not "
@@ -139,6 +139,6 @@ def connect(client: redis.Redis | str | None) -> Connections:
                        socket_timeout=timeout)  # fmt: skip
     blocking = _derive(pool, command_packer=_PACKER, decode_responses=False,
                        socket_timeout=WAIT_SLICE + max(5.0, timeout))  # fmt: skip
-    if url is not None:
+    if owned:
         base.close()
-    return Connections(commands, blocking, url)
+    return Connections(commands, blocking)

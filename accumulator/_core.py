@@ -60,11 +60,11 @@ ORPHAN_TTL_MS = 3600 * 1000
 DEDUP_TTL_MS = 600 * 1000
 #: How long an inline-only claim is kept for a retried take.
 CLAIM_TTL_MS = 300 * 1000
-#: A take frees the payload keys it read in the next take's script (or they expire after
-#: DEFERRED_FREE_MS) when the round is at most this big; bigger rounds are freed at once.
-DEFER_FREE_MAX_BYTES = 4 * 1024 * 1024
-DEFER_FREE_MAX_KEYS = 64
-DEFERRED_FREE_MS = 60 * 1000
+#: A claim with payload keys is leased to its taker for this long, plus CLAIM_LEASE_MS_PER_MIB
+#: per MiB of payload, while it reads and reduces the round; past that the taker is taken for
+#: gone and the next take hands its round over (nothing is lost with a crashed chief).
+CLAIM_LEASE_MS = 30 * 1000
+CLAIM_LEASE_MS_PER_MIB = 50  # 20 MiB/s: far below loopback or LAN speed
 #: Redis's default ``proto-max-bulk-len``: one value may not be larger; beyond it the server
 #: resets the connection (and retries take long to fail), so refuse up front.
 MAX_PAYLOAD_BYTES = 512 * 1024 * 1024
@@ -208,8 +208,8 @@ class AccumulatorBase:
         self._conns = connect(client)
         self._local = _ClientState()
         self._closed = False
-        # What this object's last take left for the next one to free: its claim (a retry
-        # buffer) and, for small rounds, the payload keys it read (see _read_claim).
+        # What this object's last take left for the next one to free: the claim of an
+        # inline-only round (a retry buffer for a lost reply).
         self._spent: list[str | bytes] = []
         self._open()
         self._finalizer = (
@@ -456,6 +456,12 @@ class AccumulatorBase:
                     )  # fmt: skip
                 if int(reply[0]) == 1:
                     entries = reply[1]
+                    if len(reply) > 3 and int(reply[3] or 0):
+                        logger.warning(
+                            "take_grad on %r took over a round claimed by a taker that is "
+                            "gone (its claim lease ran out): %s", self._shared_name,
+                            entries[0].decode(errors="replace").split(" ", 2)[:2],
+                        )  # fmt: skip
                     break
                 wait = self.wait_slice
                 if deadline is not None:
@@ -480,8 +486,10 @@ class AccumulatorBase:
                 elif not self._wait(queue.get_message, timeout=max(wait, 0.001)):
                     queue.close()
                     queue = None
-            claim, spent, free_now = self._read_claim(entries, claim_key)
+            claim, blob_keys = self._read_claim(entries, claim_key)
             result = decode(claim)
+            if blob_keys:
+                self._finish(taker, claim_key, blob_keys)
         except BaseException:
             # Not claimed: withdraw from the FIFO. Claimed (or unsure: a lost reply), the
             # script gives the round back as it was.
@@ -490,24 +498,32 @@ class AccumulatorBase:
         finally:
             if queue is not None:
                 queue.close()
-        self._spent = spent
-        if free_now:  # big rounds: memory matters more than one round trip (UNLINK: off-thread)
-            try:
-                self._io("take_grad (freeing)", lambda: commands.unlink(*spent))
-                self._spent = []
-            except Exception:  # noqa: BLE001 - the next take's script frees them instead
-                logger.debug("could not free the round read from %s", claim_key, exc_info=True)
+        self._spent = [] if blob_keys else [claim_key]
         return result
 
+    def _finish(self, taker: str, claim_key: str, blob_keys: list[bytes]) -> None:
+        """The round is read and reduced: release its lease and free its keys. Raises when
+        the lease had run out and another taker took the round over (the caller must not
+        return it then: it would be counted twice)."""
+        k = self._keys
+        keys: list[str | bytes] = [k.state, claim_key, k.claims, *blob_keys]
+        ours = self._io("take_grad (finishing)", lambda: _scripts.call(
+            self._conns.commands, "finish", keys, [taker]))  # fmt: skip
+        if not int(ours):
+            raise AccumulatorError(
+                f"take_grad on {self._shared_name!r} read its round after its claim lease ran "
+                "out, and another taker took the round over; this take returns nothing"
+            )
     def _take_script_args(
         self, taker: str, n: int, lease_ms: int, spent: list[str | bytes] | None = None
     ) -> tuple[list[Any], list[Any]]:
         """KEYS and ARGV of the take script (see lua/take.lua)."""
         k = self._keys
         keys = [k.state, k.grads, k.takers, k.taker_info, k.claim(taker), k.wake, k.queue_wake,
-                k.quarantine, *(self._spent if spent is None else spent)]  # fmt: skip
+                k.quarantine, k.claims, *(self._spent if spent is None else spent)]  # fmt: skip
         args = [SCHEMA_VERSION, taker, n, lease_ms, CLAIM_TTL_MS,
-                "s" if self._kind == "sparse" else "d", self.dtype.itemsize]  # fmt: skip
+                "s" if self._kind == "sparse" else "d", self.dtype.itemsize,
+                CLAIM_LEASE_MS, CLAIM_LEASE_MS_PER_MIB]  # fmt: skip
         return keys, args
 
     def _wait(self, block: Any, *args: Any, **kwargs: Any) -> bool:
@@ -529,7 +545,8 @@ class AccumulatorBase:
         def leave() -> Any:
             return _scripts.call(
                 self._conns.commands, "leave",
-                [k.state, k.takers, k.taker_info, k.wake, k.queue_wake, claim_key, k.grads],
+                [k.state, k.takers, k.taker_info, k.wake, k.queue_wake, claim_key, k.grads,
+                 k.claims],
                 [taker, SCHEMA_VERSION],
             )  # fmt: skip
 
@@ -549,12 +566,9 @@ class AccumulatorBase:
                 self._shared_name, claim_key,
             )  # fmt: skip
 
-    def _read_claim(
-        self, entries: list[bytes], claim_key: str
-    ) -> tuple[Claim, list[str | bytes], bool]:
-        """The claimed round's payloads, the keys to free once it is decoded, and whether to
-        free them at once (big rounds) rather than in the next take's script."""
-        step, count, nbytes, round_shape = _parse_header(entries[0])
+    def _read_claim(self, entries: list[bytes], claim_key: str) -> tuple[Claim, list[bytes]]:
+        """The claimed round's payloads, and the payload keys it names (to free once used)."""
+        step, count, _, round_shape = _parse_header(entries[0])
         payloads: list[bytes | None] = []
         blob_keys: list[bytes] = []
         for entry in entries[1:]:
@@ -566,27 +580,13 @@ class AccumulatorBase:
             else:  # the take script checked every entry: this is not ours to follow
                 raise AccumulatorError(f"corrupt entry in claim {claim_key}: {entry[:100]!r}")
         if not blob_keys:
-            return Claim(step, count, round_shape, payloads), [claim_key], False  # type: ignore[arg-type]
+            return Claim(step, count, round_shape, payloads), []  # type: ignore[arg-type]
         commands = self._conns.commands
-        # Small rounds: read, and leave the keys to the next take (or a short expiry) rather
-        # than pay a round trip to delete them now. Big rounds are freed at once: memory
-        # matters more there than one round trip.
-        defer = nbytes <= DEFER_FREE_MAX_BYTES and len(blob_keys) <= DEFER_FREE_MAX_KEYS
-
-        def read() -> list[bytes | None]:
-            pipe = commands.pipeline(transaction=False)
-            pipe.mget(blob_keys)
-            if defer:
-                expiring: list[str | bytes] = [claim_key, *blob_keys]
-                for key in expiring:
-                    pipe.pexpire(key, DEFERRED_FREE_MS)
-            return pipe.execute()[0]  # type: ignore[no-any-return]
-
-        values = self._io("take_grad (reading)", read)
+        values = self._io("take_grad (reading)", lambda: commands.mget(blob_keys))
         if any(v is None for v in values):
             raise AccumulatorError(
                 f"gradient payloads of a claimed round are missing (claim {claim_key})"
             )
         it = iter(values)
         full = [p if p is not None else next(it) for p in payloads]
-        return Claim(step, count, round_shape, full), [claim_key, *blob_keys], not defer  # type: ignore[arg-type]
+        return Claim(step, count, round_shape, cast("list[bytes]", full)), blob_keys

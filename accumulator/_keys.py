@@ -27,6 +27,9 @@ key                    type    contents
 ``P{tag}:c:<taker>``   list    a claimed round: a header, then the entries of ``:g``; kept
                                until the taker has read it (a retried take returns it again;
                                a take that fails gives it back)
+``P{tag}:cl``          hash    claim registry: taker id -> lease expiry ms of a claim with
+                               payload keys (``done`` once read); a lease that ran out marks a
+                               taker that is gone: the next take hands its round over
 ``P{tag}:x``           list    quarantine: entries a take refused to claim (a foreign key name,
                                a missing or resized payload), each ``"<reason> <entry>"``
 =====================  ======  ==============================================================
@@ -132,6 +135,10 @@ class Keys:
     @cached_property
     def quarantine(self) -> str:
         return self.base + ":x"
+
+    @cached_property
+    def claims(self) -> str:
+        return self.base + ":cl"
 
     def blob(self, client_id: str, seq: int) -> str:
         return f"{self.base}:b:{client_id}:{seq}"

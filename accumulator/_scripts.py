@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from collections.abc import Sequence
 from functools import cache
 from importlib import resources
 from pathlib import Path
@@ -29,7 +30,7 @@ from ._keys import SCHEMA_VERSION
 
 logger = logging.getLogger("accumulator")
 
-NAMES = ("open", "apply", "take", "leave", "set_step", "reset")
+NAMES = ("open", "apply", "take", "finish", "leave", "set_step", "reset")
 ERROR_PREFIX = "ACCERR "
 
 
@@ -53,12 +54,12 @@ def sha(name: str) -> str:
     return hashlib.sha1(source(name)).hexdigest()
 
 
-def evalsha_args(name: str, keys: list[str], args: list[Any]) -> list[Any]:
+def evalsha_args(name: str, keys: Sequence[str | bytes], args: Sequence[Any]) -> list[Any]:
     """The EVALSHA command, for use in a pipeline (``pipe.execute_command(*...)``)."""
     return ["EVALSHA", sha(name), len(keys), *keys, *args]
 
 
-def call(client: redis.Redis, name: str, keys: list[str], args: list[Any]) -> Any:
+def call(client: redis.Redis, name: str, keys: Sequence[str | bytes], args: Sequence[Any]) -> Any:
     """Run a script; on NOSCRIPT loads it (or, where SCRIPT LOAD is not allowed, sends its
     source with EVAL); turns ``ACCERR`` and ACL replies into our exceptions."""
     try:

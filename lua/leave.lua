@@ -3,13 +3,14 @@
 -- it had claimed goes back: the step, the count and the gradients are as before its take.
 -- KEYS[1] state  KEYS[2] takers zset  KEYS[3] taker info hash  KEYS[4] head wake list
 -- KEYS[5] queue wake channel (pub/sub)  KEYS[6] claim list of this taker  KEYS[7] grads list
+-- KEYS[8] claim registry hash
 -- ARGV[1] taker id  ARGV[2] schema
 -- Returns 0 (it held no claim), 1 (its claim was given back) or -1: it holds a claim that
 -- cannot go back because the accumulator moved on since (a reset, set_step or another take,
--- or new gradients of another round shape); that claim is kept, without expiry, for
--- inspection and recovery (`accumulator show`).
+-- or new gradients of another round shape); that claim is kept, with an expired lease, so the
+-- next take hands it over as it is (see take.lua).
 local takers, me, claim, grads = KEYS[2], ARGV[1], KEYS[6], KEYS[7]
-local base, kerr = own_keys({':t', ':ti', ':w', ':q', '', ':g'})
+local base, kerr = own_keys({':t', ':ti', ':w', ':q', '', ':g', ':cl'})
 if not base then return kerr end
 if claim ~= base .. ':c:' .. me or not is_own(base, claim, 'c') then
   return acc_error('BADARG leave')
@@ -20,7 +21,7 @@ local err = check_acl({{'ZREM', takers}, {'HDEL', KEYS[3]}, {'DEL', KEYS[4]},
   {'PUBLISH', KEYS[5]}, {'LPOP', claim}, {'RPUSH', claim}, {'RENAME', claim},
   {'PERSIST', claim}, {'PERSIST', grads}, {'PEXPIRE', grads}, {'PERSIST', some_blob},
   {'PEXPIRE', some_blob}, {'HSET', state}, {'HINCRBY', state}, {'RPUSH', KEYS[4]},
-  {'LTRIM', KEYS[4]}})
+  {'LTRIM', KEYS[4]}, {'HDEL', KEYS[8]}, {'HSET', KEYS[8]}})
 if err then return err end
 
 local head = redis.call('ZRANGE', takers, 0, 0)[1]
@@ -31,10 +32,13 @@ if head == me then
   wake_queue(KEYS[5])
 end
 
+redis.call('HDEL', KEYS[8], me)  -- no longer leased: given back below, or kept for inspection
 local entries = redis.call('LRANGE', claim, 0, -1)
 if #entries == 0 then return 0 end
 local function keep()
+  -- handed to the next taker at the head of the FIFO as it is (its step was advanced)
   redis.call('PERSIST', claim)
+  redis.call('HSET', KEYS[8], me, int_str(now_ms()))
   return -1
 end
 local serr, st = read_state(state, ARGV[2], {'step', 'count', 'rshape', 'gen', 'bytes', 'ttl',

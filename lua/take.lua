@@ -2,31 +2,40 @@
 -- head and the round holds num_required valid gradients, claim the round atomically.
 -- KEYS[1] state  KEYS[2] grads list  KEYS[3] takers zset  KEYS[4] taker info hash
 -- KEYS[5] claim list of this taker  KEYS[6] head wake list  KEYS[7] queue wake channel (pub/sub)
--- KEYS[8] quarantine list
--- KEYS[9..] what this client's previous (completed) take left to free: its claim (a retry
---         buffer) and the payload keys it has read; or none
+-- KEYS[8] quarantine list  KEYS[9] claim registry hash (taker id -> claim lease expiry ms)
+-- KEYS[10..] what this client's previous (completed) take left to free: its claim (a retry
+--         buffer of inline payloads); or none
 -- ARGV[1] schema  ARGV[2] taker id  ARGV[3] num_required  ARGV[4] lease ms
 -- ARGV[5] expiry ms of a claim that holds only inline payloads
 -- ARGV[6] 'd' dense | 's' sparse  ARGV[7] bytes per element of the accumulator dtype
--- Returns {1, claim, quarantined} where claim = {header, entry...}, header = "<new step> <count>
--- <payload bytes> <gen> <0|1> <round shape>" (1 when a round shape is recorded); or
--- {0, is_head, quarantined} when it must wait.
+-- ARGV[8] claim lease ms  ARGV[9] claim lease: extra ms per MiB of payload
+-- Returns {1, claim, quarantined, adopted} where claim = {header, entry...}, header =
+-- "<new step> <count> <payload bytes> <gen> <0|1> <round shape>" (1 when a round shape is
+-- recorded) and adopted = 1 when the claim is one a taker that is gone left behind (its step
+-- was advanced then; the round is handed over as it was); or {0, is_head, quarantined} when
+-- it must wait.
+--
+-- A claim holding payload keys is registered with a lease until its taker has read and
+-- reduced it (finish.lua) or given it back (leave.lua). A claim whose lease ran out belongs to
+-- a taker that is gone: the next taker at the head of the FIFO takes it over before anything
+-- else, so no accepted gradient is lost with a crashed chief.
 --
 -- Before the claim every entry is checked: an inline payload or an existing payload key of
 -- this accumulator, of the length the round shape and dtype give. Anything else (a foreign key
 -- name, a missing, evicted or resized payload) is moved to the quarantine list, with the
 -- reason, and not counted: the take never claims what it cannot read.
 local state, grads, takers, info_key, claim = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
-local base, kerr = own_keys({':g', ':t', ':ti', '', ':w', ':q', ':x'})
+local base, kerr = own_keys({':g', ':t', ':ti', '', ':w', ':q', ':x', ':cl'})
 if not base then return kerr end
 local me = ARGV[2]
 if claim ~= base .. ':c:' .. me or not is_own(base, claim, 'c') or not is_count(ARGV[3])
     or tonumber(ARGV[3]) < 1 or not is_count(ARGV[4]) or not is_count(ARGV[5])
-    or not (ARGV[6] == 'd' or ARGV[6] == 's') or not is_count(ARGV[7]) then
+    or not (ARGV[6] == 'd' or ARGV[6] == 's') or not is_count(ARGV[7])
+    or not is_count(ARGV[8]) or not is_count(ARGV[9]) then
   return acc_error('BADARG take')
 end
-for i = 9, #KEYS do
-  if not (is_own(base, KEYS[i], 'c') or is_own(base, KEYS[i], 'b')) then
+for i = 10, #KEYS do
+  if not is_own(base, KEYS[i], 'c') then
     return acc_error('BADKEY ' .. i)
   end
 end
@@ -41,15 +50,16 @@ err = check_acl({{'UNLINK', claim}, {'UNLINK', some_blob}, {'HSET', state},
   {'ZREM', takers}, {'HSET', info_key}, {'HDEL', info_key}, {'RENAME', grads},
   {'LPUSH', claim}, {'PEXPIRE', claim}, {'PERSIST', claim}, {'DEL', KEYS[6]},
   {'PUBLISH', KEYS[7]}, {'RPUSH', KEYS[8]}, {'LSET', grads}, {'LREM', grads},
-  {'MGET', some_blob}, {'PEXPIRE', some_blob}, {'PERSIST', some_blob}, {'STRLEN', some_blob}})
+  {'MGET', some_blob}, {'PEXPIRE', some_blob}, {'PERSIST', some_blob}, {'STRLEN', some_blob},
+  {'HSET', KEYS[9]}, {'HDEL', KEYS[9]}})
 if err then return err end
-for i = 9, #KEYS do
+for i = 10, #KEYS do
   if KEYS[i] ~= claim then redis.call('UNLINK', KEYS[i]) end  -- UNLINK: freed off-thread
 end
 
 -- A retry of a take that already claimed (the reply was lost): hand out the same round.
 if redis.call('EXISTS', claim) == 1 then
-  return {1, redis.call('LRANGE', claim, 0, -1), 0}
+  return {1, redis.call('LRANGE', claim, 0, -1), 0, 0}
 end
 
 local now = now_ms()
@@ -81,6 +91,40 @@ if queued then
   local head = redis.call('ZRANGE', takers, 0, 0)[1]
   if pruned and head ~= me then wake_queue(KEYS[7]) end
   queued = head ~= nil and head ~= me
+end
+
+local function claim_lease(nbytes)
+  return int_str(now + tonumber(ARGV[8]) + math.floor(tonumber(nbytes) / 1048576 * tonumber(ARGV[9])))
+end
+
+local function leave_fifo()
+  if redis.call('ZREM', takers, me) == 1 then
+    redis.call('HDEL', info_key, me)
+    redis.call('DEL', KEYS[6])
+    wake_queue(KEYS[7])
+  end
+end
+
+-- At the head (or alone): first a round whose taker is gone (its claim lease ran out).
+if not queued and redis.call('EXISTS', KEYS[9]) == 1 then
+  local registry = redis.call('HGETALL', KEYS[9])
+  for i = 1, #registry, 2 do
+    local other, expiry = registry[i], tonumber(registry[i + 1])
+    local dead = base .. ':c:' .. other
+    if not expiry or not is_own(base, dead, 'c') or redis.call('EXISTS', dead) == 0 then
+      redis.call('HDEL', KEYS[9], other)  -- finished meanwhile, or not ours to follow
+    elseif expiry <= now then
+      redis.call('HDEL', KEYS[9], other)
+      redis.call('RENAME', dead, claim)
+      local entries = redis.call('LRANGE', claim, 0, -1)
+      local _, _, held = string.match(entries[1], '^(%-?%d+) (%d+) (%d+) ')
+      redis.call('HSET', KEYS[9], me, claim_lease(held or '0'))
+      redis.call('HINCRBY', state, 'n_adopted', 1)
+      leave_fifo()
+      touch(state, {state, takers, info_key, KEYS[9]}, st.ttl)
+      return {1, entries, 0, 1}
+    end
+  end
 end
 
 -- At the head (or alone) with enough gradients: check every entry before claiming.
@@ -153,18 +197,19 @@ for i = 2, #entries do
   if string.sub(entries[i], 1, 1) ~= 'i' then inline_only = false break end
 end
 -- Only inline payloads: the claim is just a retry buffer and may expire. With blob keys it
--- stays until the taker has read them (and gives it back if it cannot finish).
-if inline_only then redis.call('PEXPIRE', claim, ARGV[5]) else redis.call('PERSIST', claim) end
+-- stays, under a lease, until the taker has read them (finish.lua), or gives it back.
+if inline_only then
+  redis.call('PEXPIRE', claim, ARGV[5])
+else
+  redis.call('PERSIST', claim)
+  redis.call('HSET', KEYS[9], me, claim_lease(nbytes))
+end
 
 redis.call('HSET', state, 'count', 0, 'bytes', 0, 'last_take_ms', int_str(now),
   'last_take_wait_ms', int_str(now - joined), 'gen', gen,
   'n_taken', int_str(tonumber(st.n_taken) + 1),
   'grads_taken', int_str(tonumber(st.grads_taken) + count))
 redis.call('HDEL', state, 'rshape')
-if redis.call('ZREM', takers, me) == 1 then
-  redis.call('HDEL', info_key, me)
-  redis.call('DEL', KEYS[6])
-  wake_queue(KEYS[7])
-end
-touch(state, {state, takers, info_key}, st.ttl)
-return {1, entries, quarantined}
+leave_fifo()
+touch(state, {state, takers, info_key, KEYS[9]}, st.ttl)
+return {1, entries, quarantined, 0}

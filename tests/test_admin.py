@@ -72,8 +72,9 @@ def _claim_round(r: redis.Redis, name: str, taker: str, num_required: int) -> An
             k.wake,
             k.queue_wake,
             k.quarantine,
+            k.claims,
         ],  # no earlier take's retry buffer to delete
-        [SCHEMA_VERSION, taker, num_required, 15_000, 300_000, "d", 4],
+        [SCHEMA_VERSION, taker, num_required, 15_000, 300_000, "d", 4, 30_000, 0],
     )
 
 
@@ -84,7 +85,8 @@ def _leave(r: redis.Redis, name: str, taker: str) -> int:
         _scripts.call(
             r,
             "leave",
-            [k.state, k.takers, k.taker_info, k.wake, k.queue_wake, k.claim(taker), k.grads],
+            [k.state, k.takers, k.taker_info, k.wake, k.queue_wake, k.claim(taker), k.grads,
+             k.claims],  # fmt: skip
             [taker, SCHEMA_VERSION],
         )
     )

@@ -350,24 +350,84 @@ def test_reset_container_removes_only_that_container(target):
     assert names == {("job2", "q")}
 
 
-def test_next_take_frees_what_the_previous_one_read(target):
+def test_a_blob_round_is_freed_when_its_take_returns(target):
     acc = make(target, shape=LARGE)
     for _ in range(2):
         acc.apply_grad(np.ones(LARGE))
     acc.take_grad(2)
-    first = {k for k in keys_of(target, acc) if b":b:" in k or b":c:" in k}
-    assert first, "a small blob round leaves its keys for the next take"
-    acc.apply_grad(np.ones(LARGE), local_step=1)
+    assert not [k for k in keys_of(target, acc) if b":b:" in k or b":c:" in k]
+
+
+def test_next_take_frees_the_retry_buffer_of_an_inline_round(target):
+    acc = make(target)
+    acc.apply_grad(np.ones(SMALL))
+    acc.take_grad(1)
+    first = {k for k in keys_of(target, acc) if b":c:" in k}
+    assert len(first) == 1, "an inline round's claim stays as a retry buffer"
+    acc.apply_grad(np.ones(SMALL), local_step=1)
     acc.take_grad(1)
     assert first.isdisjoint(keys_of(target, acc))
 
 
-def test_big_rounds_are_freed_at_once(target, monkeypatch):
-    monkeypatch.setattr(_core, "DEFER_FREE_MAX_BYTES", 1024)
-    acc = make(target, shape=LARGE)
-    acc.apply_grad(np.ones(LARGE))
-    acc.take_grad(1)
-    assert not [k for k in keys_of(target, acc) if b":b:" in k or b":c:" in k]
+def _crashed_take(acc, lease_ms: int) -> list:
+    """Claim the round the way a take does, with a short claim lease, then 'crash'."""
+    from accumulator import _scripts
+
+    keys, args = acc._take_script_args("9-dead", 1, 10_000, spent=[])
+    args[7] = lease_ms
+    reply = _scripts.call(acc.redis, "take", keys, args)
+    assert reply[0] == 1
+    return reply
+
+
+def test_a_round_claimed_by_a_crashed_taker_is_handed_to_the_next(target, caplog):
+    worker, chief = make(target, shape=LARGE), make(target, shape=LARGE)
+    worker.apply_grad(np.ones(LARGE))
+    worker.apply_grad(np.full(LARGE, 3.0))
+    _crashed_take(worker, lease_ms=200)
+    assert worker.global_step() == 1  # the crashed take advanced the step
+    worker.apply_grad(np.full(LARGE, 7.0), local_step=1)  # the next round begins meanwhile
+    time.sleep(0.3)
+    # the restarted chief gets the crashed take's round, as it was (no second step advance)
+    np.testing.assert_array_equal(chief.take_grad(1, timeout=5), np.full(LARGE, 2.0))
+    assert "took over a round" in caplog.text
+    assert worker.global_step() == 1 and worker.num_accumulated() == 1
+    np.testing.assert_array_equal(chief.take_grad(1, timeout=5), np.full(LARGE, 7.0))
+    assert worker.global_step() == 2
+    leftovers = [k for k in keys_of(target, chief) if b":b:" in k or b":c:" in k]
+    assert leftovers == []
+    info = accumulator._admin.describe(target.redis(), "w")
+    assert info.n_taken == 2 and info.claims == ()
+
+
+def test_a_live_claim_is_not_taken_over(target):
+    worker, chief = make(target, shape=LARGE), make(target, shape=LARGE)
+    worker.apply_grad(np.ones(LARGE))
+    _crashed_take(worker, lease_ms=60_000)  # still leased: maybe just slow
+    worker.apply_grad(np.full(LARGE, 7.0), local_step=1)
+    np.testing.assert_array_equal(chief.take_grad(1, timeout=5), np.full(LARGE, 7.0))
+    assert worker.global_step() == 2
+
+
+def test_a_taker_whose_lease_ran_out_does_not_return_the_round(target, monkeypatch):
+    """A take too slow to finish within its claim lease loses the round to the next taker
+    rather than both returning it."""
+    slow, other = make(target, shape=LARGE), make(target, shape=LARGE)
+    slow.apply_grad(np.ones(LARGE))
+    monkeypatch.setattr(_core, "CLAIM_LEASE_MS", 0)
+    monkeypatch.setattr(_core, "CLAIM_LEASE_MS_PER_MIB", 0)
+    real_reduce = slow._reduce_claim
+    results = []
+
+    def reduce_slowly(claim):
+        results.append(other.take_grad(1, timeout=5))  # meanwhile, another chief's take
+        return real_reduce(claim)
+
+    monkeypatch.setattr(slow, "_reduce_claim", reduce_slowly)
+    with pytest.raises(accumulator.AccumulatorError, match="lease ran out"):
+        slow.take_grad(1, timeout=5)
+    np.testing.assert_array_equal(results[0], np.ones(LARGE))
+    assert slow.global_step() == 1 and slow.num_accumulated() == 0
 
 
 @pytest.mark.parametrize("step", [10**14, 2**53 - 2])
