@@ -2,7 +2,22 @@
 
 Global options (accepted before or after the command): ``--url`` (default: the library's,
 ``ACCUMULATOR_REDIS_URL``, then ``REDIS_URL``, then ``redis://localhost:6379/0``),
-``--container`` and ``--json``.
+``--container``, ``--json``, and for the connection ``--user NAME`` (ACL user name; overrides
+the URL's), ``--tls`` (TLS, as a ``rediss://`` URL) and ``--tls-ca-cert FILE`` (CA
+certificates to verify the server with; implies ``--tls``).
+
+Passwords stay out of the command line (where ``ps`` shows them to every user): like
+``redis-cli``, the password is taken from ``$REDISCLI_AUTH`` when the URL has none. A password
+given in the URL anyway (``redis://:PASSWORD@host``, ``?password=...``) is never printed:
+every URL shown, in output and in error messages, is masked (``accumulator._redact``).
+
+Names and other text read from Redis are untrusted: every name, container, taker id, key and
+definition field printed is escaped (control characters as ``\\x1b``, ``\\n``, ...; see
+:func:`esc`), so a name cannot drive the terminal. ``ls`` survives foreign keys under the
+accumulators' prefix: a state key of the wrong type (e.g. a string written by another
+program) is listed as a warning row (``KIND`` ``?``, the reason below the table), and in
+``ls --json`` as an entry with ``"kind": "?"`` and an ``"error"`` string (``"error": null``
+on every readable entry).
 
 Exit codes: 0 ok; 1 no such accumulator; 2 usage error, or a destructive command refused
 (no ``--yes`` and no terminal to ask on, or answered no); 3 cannot connect (server unreachable,
@@ -24,15 +39,16 @@ import argparse
 import contextlib
 import datetime as _dt
 import json
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TextIO
-from urllib.parse import urlsplit, urlunsplit
 
 import redis
 from redis.backoff import NoBackoff
+from redis.connection import SSLConnection, UnixDomainSocketConnection, parse_url
 from redis.exceptions import AuthenticationError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -42,6 +58,7 @@ from . import _admin
 from ._connection import default_url
 from ._errors import AccumulatorError, InvalidArgumentError, NotFoundError, SchemaVersionError
 from ._keys import SCHEMA_VERSION
+from ._redact import redact_url, scrub, url_secrets
 
 EXIT_OK = 0
 EXIT_NOT_FOUND = 1
@@ -53,6 +70,8 @@ CONNECT_TIMEOUT = 5.0
 COMMAND_TIMEOUT = 30.0
 
 _PROG = "accumulator"
+#: The environment variable holding the password (redis-cli's): used when the URL has none.
+AUTH_ENV = "REDISCLI_AUTH"
 
 
 class CliError(Exception):
@@ -103,54 +122,106 @@ def command(
 # -- context: connection, output, confirmation ------------------------------------------------
 
 
-def redact(url: str) -> str:
-    """The URL with its password replaced, for messages."""
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return "<invalid url>"
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    if ":" in host:
-        host = f"[{host}]"
-    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+def esc(text: object, *, quote: bool = False) -> str:
+    """``text`` safe to print on a terminal: control and other non-printable characters
+    escaped as in ``repr`` (``\\x1b``, ``\\n``, ``\\u202e``). ``quote=True``: its ``repr``,
+    quotes included (how sentences name things: ``'dense/w'``). Every name, container and
+    other text read from Redis goes through here before it is printed."""
+    value = text if isinstance(text, str) else str(text)
+    if quote:
+        return repr(value)
+    if value.isprintable():
+        return value
+    return "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in value)
 
 
 @dataclass
 class Context:
-    """What every command gets: the global options, the streams, a lazy connection."""
+    """What every command gets: the global options, the streams, a lazy connection.
 
-    url: str
+    ``url`` and ``password`` are secrets (not in ``repr``); show :attr:`shown_url`."""
+
+    url: str = field(repr=False)
     container: str | None  # None: not given (ls lists every container; others use "")
     json: bool
     out: TextIO = field(default_factory=lambda: sys.stdout)
     err: TextIO = field(default_factory=lambda: sys.stderr)
     stdin: TextIO = field(default_factory=lambda: sys.stdin)
-    _client: redis.Redis | None = None
+    user: str | None = None  # --user: the ACL user name (overrides the URL's)
+    tls: bool = False  # --tls
+    tls_ca_cert: str | None = None  # --tls-ca-cert FILE (implies TLS)
+    password: str | None = field(default=None, repr=False)  # $REDISCLI_AUTH
+    _client: redis.Redis | None = field(default=None, repr=False)
 
     @property
     def scope(self) -> str:
         """The container a single-accumulator command works in."""
         return self.container or ""
 
+    @property
+    def shown_url(self) -> str:
+        """The URL as it may be shown: passwords masked, control characters escaped."""
+        return esc(redact_url(self.url))
+
+    @property
+    def secrets(self) -> list[str]:
+        """What must never be printed: the URL's password(s) and ``$REDISCLI_AUTH``."""
+        return [*url_secrets(self.url), *([self.password] if self.password else [])]
+
+    def has_password(self) -> bool:
+        """Whether a password will be sent: one in the URL, else ``$REDISCLI_AUTH``."""
+        try:
+            in_url = parse_url(self.url).get("password") is not None
+        except ValueError:
+            in_url = False
+        return in_url or bool(self.password)
+
+    def connection_options(self) -> dict[str, Any]:
+        """Keyword arguments of the connection pool: the URL's (as ``redis.from_url`` reads
+        it), with ``--user``, ``--tls``, ``--tls-ca-cert`` and ``$REDISCLI_AUTH`` applied.
+        Raises :class:`CliError` (usage) for an invalid URL or TLS on a unix socket."""
+        try:
+            options: dict[str, Any] = parse_url(self.url)
+        except ValueError as exc:
+            raise CliError(
+                EXIT_USAGE, f"invalid --url {esc(redact_url(self.url), quote=True)}: {exc}", "usage"
+            ) from exc
+        if self.tls or self.tls_ca_cert:
+            if options.get("connection_class") is UnixDomainSocketConnection:
+                raise CliError(EXIT_USAGE, "--tls needs a TCP URL, not a unix:// socket", "usage")
+            options["connection_class"] = SSLConnection
+        if self.tls_ca_cert:
+            if not os.path.isfile(self.tls_ca_cert):
+                raise CliError(
+                    EXIT_USAGE,
+                    f"--tls-ca-cert: no such file {esc(self.tls_ca_cert, quote=True)}",
+                    "usage",
+                )
+            options["ssl_ca_certs"] = self.tls_ca_cert
+        if self.user:
+            options["username"] = self.user
+        if options.get("password") is None and self.password:
+            options["password"] = self.password
+        return {
+            "socket_connect_timeout": CONNECT_TIMEOUT,
+            "socket_timeout": COMMAND_TIMEOUT,
+            "retry": Retry(NoBackoff(), 1),
+            **options,  # the URL's own settings win, as with redis.from_url
+        }
+
     def connect(self) -> redis.Redis:
         """A checked connection (PING answered); raises :class:`CliError` when impossible."""
         if self._client is not None:
             return self._client
-        try:
-            client = redis.Redis.from_url(
-                self.url,
-                socket_connect_timeout=CONNECT_TIMEOUT,
-                socket_timeout=COMMAND_TIMEOUT,
-                retry=Retry(NoBackoff(), 1),
-            )
-        except ValueError as exc:
+        pool = redis.ConnectionPool(**self.connection_options())
+        try:  # a connection object checks the options without connecting
+            pool.connection_class(**pool.connection_kwargs)
+        except (TypeError, ValueError) as exc:  # e.g. an unknown ?option in the URL
             raise CliError(
-                EXIT_USAGE, f"invalid --url {redact(self.url)!r}: {exc}", "usage"
+                EXIT_USAGE, f"invalid --url {esc(redact_url(self.url), quote=True)}: {exc}", "usage"
             ) from exc
+        client = redis.Redis(connection_pool=pool)
+        client.auto_close_connection_pool = True  # close() ends the pool's connections too
         client.ping()  # errors are mapped by main()
         self._client = client
         return client
@@ -235,7 +306,9 @@ def plural(n: int, word: str) -> str:
 def table(
     headers: Sequence[str], rows: Sequence[Sequence[str]], right: Sequence[int] = ()
 ) -> list[str]:
-    """Aligned columns, two spaces apart; columns in ``right`` are right-aligned."""
+    """Aligned columns, two spaces apart; columns in ``right`` are right-aligned. Cells are
+    escaped (:func:`esc`): they may hold names and other text read from Redis."""
+    rows = [[esc(cell) for cell in row] for row in rows]
     widths = [len(h) for h in headers]
     for row in rows:
         for i, cell in enumerate(row):
@@ -251,11 +324,18 @@ def table(
 
 def _pairs(pairs: Sequence[tuple[str, str]], indent: str = "  ") -> list[str]:
     width = max(len(k) for k, _ in pairs)
-    return [f"{indent}{k.ljust(width)}  {v}" for k, v in pairs]
+    return [f"{indent}{k.ljust(width)}  {esc(v)}" for k, v in pairs]
 
 
 def _where(name: str, container: str) -> str:
-    return f"{name!r}" + (f" (container {container!r})" if container else "")
+    """How a sentence names an accumulator: ``'name' (container 'c')``, escaped."""
+    where = esc(name, quote=True)
+    return where + f" (container {esc(container, quote=True)})" if container else where
+
+
+def _unreadable(info: _admin.Info) -> str | None:
+    """Why ``ls`` could not read this entry (None: it could)."""
+    return info.error if isinstance(info, _admin.Unreadable) else None
 
 
 def render_ls(
@@ -263,7 +343,9 @@ def render_ls(
 ) -> list[str]:
     headers = ["NAME", "KIND", "DTYPE", "SHAPE", "REDUCTION", "STEP", "COUNT", "TAKERS", "BYTES"]
     rows = [
-        [
+        [i.shared_name, "?", "", "", "", "", "", "", ""]
+        if _unreadable(i) is not None
+        else [
             i.shared_name,
             i.kind,
             i.dtype,
@@ -283,19 +365,28 @@ def render_ls(
             row.insert(0, info.container or '""')
         right = [c + 1 for c in right]
     lines = table(headers, rows, right) if infos else ["no accumulators"]
-    footer = plural(len(infos), "accumulator")
+    warnings = [
+        f"warning: {_where(i.shared_name, i.container)}: {esc(error)}"
+        for i in infos
+        if (error := _unreadable(i)) is not None
+    ]
+    if warnings:
+        lines += ["", *warnings]
+    footer = plural(len(infos) - len(warnings), "accumulator")
+    if warnings:
+        footer += f" (and {len(warnings)} unreadable, listed with KIND ?)"
     if server is not None:
-        footer += f" · {server['server']} {server['version']}"
+        footer += f" · {esc(server['server'])} {esc(server['version'])}"
         if server.get("used_memory_human"):
-            footer += f" · server memory {server['used_memory_human']}"
+            footer += f" · server memory {esc(server['used_memory_human'])}"
     return [*lines, "", footer] if infos else [*lines]
 
 
 def render_show(info: _admin.Info, prev: _admin.Info | None = None) -> list[str]:
     now = info.now_ms
-    title = f"accumulator {info.shared_name!r}"
+    title = f"accumulator {esc(info.shared_name, quote=True)}"
     if info.container:
-        title += f" in container {info.container!r}"
+        title += f" in container {esc(info.container, quote=True)}"
     if info.private:
         title += " (private)"
     definition = f"{info.kind} {info.dtype} {info.shape_text} {info.reduction}"
@@ -411,10 +502,10 @@ def _ls(ctx: Context, args: argparse.Namespace) -> int:
     if ctx.json:
         ctx.dump(
             {
-                "url": redact(ctx.url),
+                "url": redact_url(ctx.url),
                 "container": ctx.container,
                 "server": server,
-                "accumulators": [i.to_dict() for i in infos],
+                "accumulators": [{**i.to_dict(), "error": _unreadable(i)} for i in infos],
             }
         )
     else:
@@ -488,7 +579,7 @@ def _watch(ctx: Context, args: argparse.Namespace) -> int:
                 ctx.write(json.dumps(info.to_dict()))
             else:
                 header = (
-                    f"every {args.interval:g}s · {redact(ctx.url)} · "
+                    f"every {args.interval:g}s · {ctx.shown_url} · "
                     f"{time.strftime('%H:%M:%S')}" + ("  (Ctrl-C to quit)" if tty else "")
                 )
                 lines = [header, "", *render_show(info, prev)]
@@ -536,7 +627,7 @@ def _reset(ctx: Context, args: argparse.Namespace) -> int:
         f"Drop the {plural(info.count, 'pending gradient')} "
         f"({fmt_bytes(info.bytes)}) of {_where(args.name, ctx.scope)}?",
         args.yes,
-        f"reset {args.name!r}",
+        f"reset {esc(args.name, quote=True)}",
     )
     dropped = _admin.reset(r, args.name, ctx.scope)
     if ctx.json:
@@ -567,7 +658,7 @@ def _delete(ctx: Context, args: argparse.Namespace) -> int:
     ctx.confirm(
         f"Delete accumulator {_where(args.name, ctx.scope)}{detail}?",
         args.yes,
-        f"delete {args.name!r}",
+        f"delete {esc(args.name, quote=True)}",
     )
     removed = _admin.delete(r, args.name, ctx.scope)
     if ctx.json:
@@ -588,12 +679,14 @@ def _reset_container(ctx: Context, args: argparse.Namespace) -> int:
     r = ctx.connect()
     names = [i.shared_name for i in _admin.list_accumulators(r, ctx.container)]
     if names:
-        shown = ", ".join(repr(n) for n in names[:5]) + (", ..." if len(names) > 5 else "")
+        shown = ", ".join(esc(n, quote=True) for n in names[:5]) + (
+            ", ..." if len(names) > 5 else ""
+        )
+        where = esc(ctx.container, quote=True)
         ctx.confirm(
-            f"Delete all {plural(len(names), 'accumulator')} of container "
-            f"{ctx.container!r} ({shown})?",
+            f"Delete all {plural(len(names), 'accumulator')} of container {where} ({shown})?",
             args.yes,
-            f"reset container {ctx.container!r}",
+            f"reset container {where}",
         )
         deleted = _admin.reset_container(r, ctx.container)
     else:
@@ -601,7 +694,8 @@ def _reset_container(ctx: Context, args: argparse.Namespace) -> int:
     if ctx.json:
         ctx.dump({"container": ctx.container, "deleted": deleted})
     else:
-        ctx.write(f"deleted {plural(deleted, 'accumulator')} of container {ctx.container!r}")
+        where = esc(ctx.container, quote=True)
+        ctx.write(f"deleted {plural(deleted, 'accumulator')} of container {where}")
     return EXIT_OK
 
 
@@ -615,8 +709,27 @@ def _add_global_options(parser: argparse.ArgumentParser, *, top: bool) -> None:
     group.add_argument(
         "--url",
         default=None if top else argparse.SUPPRESS,
-        help="Redis URL, e.g. redis://:PASSWORD@host:6379/0 (default: "
-        "$ACCUMULATOR_REDIS_URL, $REDIS_URL, redis://localhost:6379/0)",
+        help="Redis URL, e.g. redis://host:6379/0 or rediss://host:6380/0 (default: "
+        f"$ACCUMULATOR_REDIS_URL, $REDIS_URL, redis://localhost:6379/0); put the password in "
+        f"${AUTH_ENV} rather than in the URL, where ps shows it to every user",
+    )
+    group.add_argument(
+        "--user",
+        metavar="NAME",
+        default=None if top else argparse.SUPPRESS,
+        help=f"ACL user name (overrides the URL's); its password comes from the URL or ${AUTH_ENV}",
+    )
+    group.add_argument(
+        "--tls",
+        action="store_true",
+        default=False if top else argparse.SUPPRESS,
+        help="connect with TLS (as a rediss:// URL)",
+    )
+    group.add_argument(
+        "--tls-ca-cert",
+        metavar="FILE",
+        default=None if top else argparse.SUPPRESS,
+        help="CA certificate(s) (PEM) to verify the server with; implies --tls",
     )
     group.add_argument(
         "--container",
@@ -638,7 +751,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=_PROG,
         description="Inspect and operate the accumulators kept in a Redis server.",
-        epilog="`accumulator demo [--help]` runs the distributed training demo. "
+        epilog=f"password: ${AUTH_ENV} (as for redis-cli), used when the URL has none; "
+        "passwords are never printed. "
+        "`accumulator demo [--help]` runs the distributed training demo. "
         "exit codes: 0 ok, 1 not found, 2 usage error or refused, 3 cannot connect "
         "(unreachable, wrong password), 4 other server error",
     )
@@ -656,31 +771,29 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _fail(ctx: Context, error: CliError) -> int:
-    ctx.err.write(f"{_PROG}: {error.message}\n")
+    # the last line of defence: no secret and no control character reaches the terminal
+    message = esc(scrub(error.message, ctx.secrets))
+    ctx.err.write(f"{_PROG}: {message}\n")
     ctx.err.flush()
     if ctx.json:
         with contextlib.suppress(Exception):
-            ctx.dump({"error": {"code": error.code, "kind": error.kind, "message": error.message}})
+            ctx.dump({"error": {"code": error.code, "kind": error.kind, "message": message}})
     return error.code
 
 
-def _has_password(url: str) -> bool:
-    try:
-        return urlsplit(url).password is not None
-    except ValueError:
-        return False
-
-
 def _translate(ctx: Context, exc: BaseException) -> CliError:
-    where = redact(ctx.url)
+    where = ctx.shown_url
     if isinstance(exc, AuthenticationError):  # before ConnectionError: it is a subclass
         text = str(exc)
         if "without any password configured" in text or "no password is set" in text:
             reason = "a password was given but the server has none configured"
-        elif _has_password(ctx.url):
+        elif ctx.has_password():
             reason = f"wrong password (or user name): {text}"
         else:
-            reason = "the server requires a password (give it in the URL: redis://:PASSWORD@...)"
+            reason = (
+                f"the server requires a password (set ${AUTH_ENV}, or give it in the URL: "
+                "redis://:PASSWORD@...)"
+            )
         return CliError(EXIT_CONNECT, f"cannot connect to {where}: {reason}", "auth")
     if isinstance(exc, (RedisConnectionError, RedisTimeoutError)):
         reason = str(exc).strip() or type(exc).__name__
@@ -720,6 +833,10 @@ def main(
         out=stdout or sys.stdout,
         err=err,
         stdin=stdin or sys.stdin,
+        user=args.user,
+        tls=args.tls,
+        tls_ca_cert=args.tls_ca_cert,
+        password=os.environ.get(AUTH_ENV) or None,
     )
     try:
         return COMMANDS[args.command].run(ctx, args)

@@ -18,6 +18,11 @@ and ``--role worker --worker-index I`` run one of them, for separate hosts or co
 
 Exit code: 0 when the held-out accuracy reaches ``--min-accuracy``, 1 when it does not,
 2 on errors (no server, workers gone, timeouts), 130 on Ctrl-C.
+
+The URL's password is never printed (``accumulator._redact``): the header and the JSON
+summary show the URL masked, and the printed ``watch`` command leaves the password out of
+``--url`` and takes it from ``$REDISCLI_AUTH`` instead (``REDISCLI_AUTH=... python -m
+accumulator watch ...``: put the password there, not on a command line).
 """
 
 from __future__ import annotations
@@ -28,13 +33,16 @@ import json
 import logging
 import multiprocessing as mp
 import os
+import shlex
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 import numpy as np
+
+from ._redact import redact_url, scrub, url_secrets
 
 logger = logging.getLogger("accumulator.demo")
 
@@ -131,7 +139,7 @@ def evaluate(params: dict[str, np.ndarray], data: Split) -> tuple[float, float]:
 
 @dataclass(frozen=True)
 class WorkerConfig:
-    url: str
+    url: str = field(repr=False)  # may hold a password
     job: str
     container: str
     index: int
@@ -239,15 +247,15 @@ def _say(out: TextIO, text: str = "") -> None:
     out.flush()
 
 
-def _redact(url: str) -> str:
-    """The URL without a password, for printing."""
-    from urllib.parse import urlsplit, urlunsplit
-
-    parts = urlsplit(url)
-    if parts.password:
-        netloc = parts.netloc.replace(":" + parts.password + "@", ":***@")
-        return urlunsplit(parts._replace(netloc=netloc))
-    return url
+def watch_hint(name: str, url: str, container: str = "") -> str:
+    """The command that watches accumulator ``name`` from another terminal. The password
+    is left out of ``--url`` (never printed); the command then gets it from
+    ``$REDISCLI_AUTH``, shown as ``REDISCLI_AUTH=...`` for the user to fill in."""
+    command = ["python", "-m", "accumulator", "watch", name, "--url", redact_url(url, drop=True)]
+    if container:
+        command += ["--container", container]
+    text = " ".join(shlex.quote(part) for part in command)
+    return f"REDISCLI_AUTH=... {text}" if url_secrets(url) else text
 
 
 # -- chief --------------------------------------------------------------------------------------
@@ -274,14 +282,12 @@ def run_chief(args: argparse.Namespace, url: str, out: TextIO) -> int:
     try:
         ps.initialize(init_params(), resume=False)
         if not quiet:
-            _say(out, f"job {args.job!r} on {_redact(url)}: {args.workers} workers, chief "
+            _say(out, f"job {args.job!r} on {redact_url(url)}: {args.workers} workers, chief "
                       f"takes {replicas} gradients per step; accumulators:")  # fmt: skip
             for spec in ps.specs:
                 _say(out, f"  {ps.accumulator_names[spec.name]:<16} {spec.kind:<6} "
                           f"{spec.dtype.name} {format_shape(spec.shape)}")  # fmt: skip
-            watch = f"python -m accumulator watch {ps.accumulator_names['emb']} --url {url}"
-            if args.container:
-                watch += f" --container {args.container}"
+            watch = watch_hint(ps.accumulator_names["emb"], url, args.container)
             _say(out, f"watch one live from another terminal:  {watch}")
         slow = args.workers - 1 if args.slow_worker_delay > 0 and args.workers > 1 else None
         if args.role == "all":
@@ -408,7 +414,7 @@ def _summary(args: argparse.Namespace, ps: Any, train: Split, test: Split, t0: f
             "workers": args.workers, "replicas_to_aggregate": ps.replicas_to_aggregate,
             "slow_worker": None if slow is None else f"worker-{slow}",
             "pushes": stats.pushes, "accepted": stats.accepted, "stale": stats.stale,
-            "partial": stats.partial, "url": _redact(url), "job": args.job,
+            "partial": stats.partial, "url": redact_url(url), "job": args.job,
             "per_worker": {w: {"pushes": s.pushes, "accepted": s.accepted, "stale": s.stale,
                                "partial": s.partial} for w, s in stats.workers.items()},
             "accumulators": {p.shared_name: {"kind": p.kind, "applied": p.applied,
@@ -524,7 +530,8 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
         import redis
 
         if isinstance(exc, redis.ConnectionError):
-            logger.error("cannot reach Redis at %s: %s", _redact(url or "?"), exc)
+            logger.error("cannot reach Redis at %s: %s", redact_url(url or "?"),
+                         scrub(str(exc), url_secrets(url)))  # fmt: skip
             return 2
         raise
 

@@ -69,7 +69,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import msgpack
 import numpy as np
@@ -77,7 +77,7 @@ import redis
 
 from . import _admin
 from ._codec import format_shape, resolve_dtype, wire_dtype
-from ._connection import Connections, connect
+from ._connection import connect
 from ._core import AccumulatorBase
 from ._dense import ConditionalAccumulator
 from ._errors import DeadlineExceededError, NotFoundError
@@ -227,8 +227,15 @@ def _sparse_parts(grad: Any, name: str) -> tuple[Any, Any]:
     )
 
 
+_J = TypeVar("_J", bound="_Job")
+
+
 class _Job:
-    """What the chief and the workers share: connections, keys, reading state and stats."""
+    """What the chief and the workers share: connections, keys, reading state and stats.
+
+    A URL given as ``client`` is read once, here, into clients: no attribute keeps it (nor
+    the password in it); the accumulators are opened on the commands client.
+    """
 
     def __init__(self, job: str, *, client: redis.Redis | str | None, container: str) -> None:
         if not job:
@@ -236,14 +243,20 @@ class _Job:
         self.job = job
         self.container = container or ""
         self.keys = SyncKeys(self.container, job)
-        self._client = client
-        self._conns: Connections = connect(client)
+        conns = connect(client)
+        self._redis: redis.Redis = conns.commands  # also what the accumulators derive from
+        self._blocking: redis.Redis = conns.blocking  # pub/sub waits only
         self._specs: list[ParamSpec] = []
         self._accs: dict[str, AccumulatorBase] = {}
 
+    def __repr__(self) -> str:
+        step = getattr(self, "_step", None)
+        return f"{type(self).__name__}(job={self.job!r}, container={self.container!r}, step={step})"
+
     @property
     def redis(self) -> redis.Redis:
-        return self._conns.commands
+        """The client for ordinary commands (replies are bytes)."""
+        return self._redis
 
     @property
     def specs(self) -> list[ParamSpec]:
@@ -261,7 +274,7 @@ class _Job:
             cls = ConditionalAccumulator if spec.kind == "dense" else SparseConditionalAccumulator
             self._accs[spec.name] = cls(
                 spec.dtype, spec.shape, shared_name=accumulator_name(self.job, spec.name),
-                name=spec.name, reduction_type=reduction, client=self._client,
+                name=spec.name, reduction_type=reduction, client=self._redis,
                 container=self.container,
             )  # fmt: skip
         self._specs = list(specs)
@@ -339,10 +352,12 @@ class _Job:
         )  # fmt: skip
 
     def close(self) -> None:
+        """Close the accumulators and the connections."""
         self._close_accumulators()
-        self._conns.close()
+        self._blocking.close()
+        self._redis.close()
 
-    def __enter__(self) -> _Job:
+    def __enter__(self: _J) -> _J:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -632,7 +647,7 @@ class Worker(_Job):
         deadline = None if timeout is None else time.monotonic() + timeout
         if self._pubsub is None:
             # Subscribe before the first look: a publish after that look is then never missed.
-            self._pubsub = self._conns.blocking.pubsub(ignore_subscribe_messages=True)
+            self._pubsub = self._blocking.pubsub(ignore_subscribe_messages=True)
             self._pubsub.subscribe(self.keys.channel)
         while True:
             run, step, done = self.redis.hmget(self.keys.params, ["run", "step", "done"])

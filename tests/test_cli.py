@@ -468,3 +468,129 @@ def test_demo_subcommand_forwards_to_the_demo() -> None:
     out = ok(cli("demo", "--help"))
     assert "--replicas-to-aggregate" in out and "--role" in out
     assert "accumulator demo" in ok(cli("--help"))
+
+
+# -- untrusted names and foreign keys (both backends, in-process) -------------------------------
+
+
+def _run(target: Target, monkeypatch: pytest.MonkeyPatch, *args: str) -> tuple[int, str, str]:
+    """``accumulator ARGS`` in this process against ``target`` (fakeredis too):
+    (exit code, stdout, stderr)."""
+    out, err = io.StringIO(), io.StringIO()
+    argv = list(args)
+    if target.kind == "fake":
+        client = target.client()
+        monkeypatch.setattr(_cli.Context, "connect", lambda self: client)
+    else:
+        assert target.url is not None
+        argv += ["--url", target.url]
+    code = _cli.main(argv, stdout=out, stderr=err, stdin=io.StringIO())
+    return code, out.getvalue(), err.getvalue()
+
+
+EVIL_NAME = "x\x1b[2J\x07"  # clears the terminal and rings its bell when printed raw
+EVIL_CONTAINER = "c\x1b]0;pwned\x07"  # sets the terminal's title
+
+
+def test_names_are_escaped_in_every_command(
+    target: Target, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    opened = [
+        accumulator.ConditionalAccumulator(
+            np.float32, shape=SHAPE, shared_name=name, container=EVIL_CONTAINER,
+            client=target.client(),
+        )
+        for name in (EVIL_NAME, "other\n")
+    ]  # fmt: skip
+    opened[0].apply_grad(np.ones(SHAPE), local_step=0)
+    # a taker id is untrusted too (anyone who can write the keys can add one)
+    target.redis().zadd(opened[0].accumulator_ref + ":t", {"t\x1b[31m": 1})
+    c = ["--container", EVIL_CONTAINER]
+    try:
+        name, container = "x\\x1b[2J\\x07", "c\\x1b]0;pwned\\x07"  # as printed
+        for args, want_code, shown in (
+            (["ls"], 0, name),
+            (["ls", *c], 0, name),
+            (["show", EVIL_NAME, *c], 0, "t\\x1b[31m"),  # and the taker id
+            (["watch", EVIL_NAME, "-n", "1", *c], 0, name),
+            (["set-step", EVIL_NAME, "3", *c], 0, container),
+            (["reset", EVIL_NAME, "--yes", *c], 0, name),
+            (["delete", "other\n", "--yes", *c], 0, "other\\n"),
+            (["show", "nope\x1b[2J", *c], 1, "nope\\x1b[2J"),  # not found: the error
+            (["reset-container", "--yes", *c], 0, container),
+        ):
+            code, out, err = _run(target, monkeypatch, *args)
+            assert code == want_code, (args, out, err)
+            for control in ("\x1b", "\x07", "other\n"):  # raw, not escaped
+                assert control not in out + err, (args, out, err)
+            assert shown in out + err, (args, out, err)
+        code, out, err = _run(target, monkeypatch, "ls")
+        assert out.strip() == "no accumulators"
+    finally:
+        for acc in opened:
+            acc.close()
+
+
+def test_escaped_cells_keep_the_table_aligned(
+    target: Target, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with accumulator.ConditionalAccumulator(
+        np.float32, shape=SHAPE, shared_name=EVIL_NAME, client=target.client()
+    ):
+        code, out, _ = _run(target, monkeypatch, "ls")
+    header, row = out.splitlines()[:2]
+    assert code == 0 and row.startswith("x\\x1b[2J\\x07  dense")
+    assert header.index("KIND") == row.index("dense")
+
+
+def test_ls_lists_a_foreign_key_as_a_warning_row(
+    target: Target, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A key of the wrong type under the prefix (another program's) does not break ls."""
+    r = target.redis()
+    good = accumulator.ConditionalAccumulator(
+        np.float32, shape=SHAPE, shared_name="good", client=target.client()
+    )
+    takers = accumulator.ConditionalAccumulator(
+        np.float32, shape=SHAPE, shared_name="t", client=target.client()
+    )
+    try:
+        r.set("acc:{x:y}:s", "hello")  # a string where a state hash belongs
+        r.set(takers.accumulator_ref + ":t", "junk")  # a string where the takers zset belongs
+        code, out, err = _run(target, monkeypatch, "ls")
+        assert code == 0, err
+        lines = out.splitlines()
+        assert lines[0].split()[:3] == ["CONTAINER", "NAME", "KIND"]
+        assert [line.split()[:3] for line in lines[1:4]] == [
+            ['""', "good", "dense"],
+            ['""', "t", "?"],
+            ["x", "y", "?"],
+        ]
+        warnings = [line for line in lines if line.startswith("warning: ")]
+        assert warnings == [
+            "warning: 't': acc:{:t}:t holds a string where a sorted set belongs "
+            "(a key written by another program?)",
+            "warning: 'y' (container 'x'): acc:{x:y}:s holds a string where a hash belongs "
+            "(a key written by another program?)",
+        ]
+        assert lines[-1].startswith("1 accumulator (and 2 unreadable, listed with KIND ?)")
+
+        code, out, _ = _run(target, monkeypatch, "ls", "--json")
+        entries = {e["shared_name"]: e for e in json.loads(out)["accumulators"]}
+        assert code == 0 and entries["good"]["error"] is None
+        assert entries["y"]["kind"] == "?" and entries["y"]["container"] == "x"
+        assert "acc:{x:y}:s holds a string where a hash belongs" in entries["y"]["error"]
+        assert "sorted set" in entries["t"]["error"]
+
+        code, out, _ = _run(target, monkeypatch, "ls", "--container", "x")
+        assert code == 0 and out.splitlines()[1].split() == ["y", "?"]
+        # the library call behind it returns the same entries instead of raising
+        listed = accumulator.list_accumulators(client=target.client())
+        assert [(i.shared_name, getattr(i, "error", None) is not None) for i in listed] == [
+            ("good", False),
+            ("t", True),
+            ("y", True),
+        ]
+    finally:
+        good.close()
+        takers.close()

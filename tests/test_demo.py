@@ -3,10 +3,14 @@ the session's real server, which must learn (held-out accuracy above a bar)."""
 
 from __future__ import annotations
 
+import io
 import json
+import logging
+import os
 import re
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -106,3 +110,58 @@ def test_demo_fails_below_the_bar(real):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "FAILED" in proc.stdout and "step " not in proc.stdout  # --quiet: no progress bar
+
+
+# -- secrets ------------------------------------------------------------------------------------
+
+PW = "Sup3r-S3cret-pw"
+
+
+def test_watch_hint_leaves_the_password_out():
+    hint = _demo.watch_hint("digits/emb", f"redis://:{PW}@h:6379/0")
+    assert hint == "REDISCLI_AUTH=... python -m accumulator watch digits/emb --url redis://h:6379/0"
+    hint = _demo.watch_hint("j b/emb", f"redis://alice@h/0?password={PW}&db=1", "c")
+    assert hint == ("REDISCLI_AUTH=... python -m accumulator watch 'j b/emb' "
+                    "--url 'redis://alice@h/0?db=1' --container c")  # fmt: skip
+    assert _demo.watch_hint("j/emb", "redis://h/0") == (
+        "python -m accumulator watch j/emb --url redis://h/0"
+    )
+    assert PW not in repr(_demo.WorkerConfig(f"redis://:{PW}@h/0", "j", "", 0, 1, 0, 8, 0.0, 1.0))
+
+
+@pytest.mark.parametrize("form", ["userinfo", "query"])
+def test_demo_never_prints_the_password(form, caplog, capsys):
+    """A short run (chief and one worker thread, in this process) against a password-protected
+    server: the password is in nothing the demo prints or logs, and the watch command it
+    prints works once $REDISCLI_AUTH holds the password."""
+    from accumulator.testing import RedisServer, find_server_binary
+
+    if find_server_binary() is None:
+        pytest.skip("no redis-server binary (scripts/test.sh installs one)")
+    caplog.set_level(logging.DEBUG)
+    with RedisServer(args=["--requirepass", PW]) as server:
+        caplog.clear()  # the test helper's own record of the server's command line
+        url = {"userinfo": server.url.replace("redis://", f"redis://:{PW}@"),
+               "query": f"{server.url}?password={PW}"}[form]  # fmt: skip
+        cfg = _demo.WorkerConfig(url, "hint", "", 0, 1, 0, 32, 0.0, 30.0)
+        worker = threading.Thread(target=_demo.run_worker, args=(cfg,), daemon=True)
+        worker.start()
+        out = io.StringIO()
+        code = _demo.main(["--role", "chief", "--url", url, "--steps", "2", "--workers", "1",
+                           "--replicas-to-aggregate", "1", "--min-accuracy", "0",
+                           "--job", "hint", "--json-summary", "-"], out=out)  # fmt: skip
+        worker.join(30)
+        text = out.getvalue()
+        assert code == 0, text
+        printed = capsys.readouterr()
+        for shown in (text, caplog.text, printed.out, printed.err):
+            assert PW not in shown
+        assert json.loads(text[text.index("\n{") :])["url"].count("***") == 1
+        (hint,) = re.findall(r"watch one live from another terminal:\s+(.*)", text)
+        assert hint == f"REDISCLI_AUTH=... python -m accumulator watch hint/emb --url {server.url}"
+        watch = hint.removeprefix("REDISCLI_AUTH=... ").split()[1:]  # without "python"
+        env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "REDISCLI_AUTH")}
+        run = subprocess.run([sys.executable, *watch, "-n", "1"], capture_output=True, text=True,
+                             env={**env, "REDISCLI_AUTH": PW}, timeout=60)  # fmt: skip
+        assert run.returncode == 0, run.stdout + run.stderr
+        assert "accumulator 'hint/emb'" in run.stdout and PW not in run.stdout

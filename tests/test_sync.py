@@ -383,3 +383,15 @@ def test_restarted_worker_picks_up_step_and_parameters(real):
     # the restarted worker counts on under the same id: one push per step in all
     assert ps.stats().workers["worker-1"].pushes == steps
     ps.close()
+
+
+def test_repr_names_the_job_only(target):
+    """Neither repr nor the attributes show the client given: a URL may hold a password
+    (tests/test_secrets.py checks that with real passwords)."""
+    with ParameterServer("job", replicas_to_aggregate=1, client=target.client()) as ps:
+        assert repr(ps) == "ParameterServer(job='job', container='', step=None)"
+        ps.initialize({"w": np.zeros(2)})
+        assert repr(ps) == "ParameterServer(job='job', container='', step=0)"
+        with Worker("job", client=target.client(), container="") as worker:
+            assert repr(worker) == "Worker(job='job', container='', step=None)"
+            assert not any(isinstance(v, str) and "://" in v for v in vars(worker).values())
