@@ -53,7 +53,7 @@ _T = TypeVar("_T")
 INLINE_MAX_BYTES = 32 * 1024
 #: How long a waiting taker's place in the FIFO survives without renewal (a crashed taker
 #: blocks the takers behind it at most this long). Renewed every WAIT_SLICE.
-TAKER_LEASE_SECONDS = 15.0
+TAKER_LEASE_SECONDS = 6.0
 #: A payload written by an apply that never reached its script expires after this.
 ORPHAN_TTL_MS = 3600 * 1000
 #: How long Redis remembers a client's last apply, to answer a retried one again.
@@ -286,7 +286,13 @@ class AccumulatorBase:
         _warn_if_evicting(commands)
         if not created and existing != self._definition.pack():
             theirs = Definition.unpack(existing)
-            if theirs != self._definition:
+            mine = self._definition
+            if mine.shape is None and (mine.kind, mine.dtype, mine.reduction_type) == (
+                theirs.kind, theirs.dtype, theirs.reduction_type
+            ):
+                # unknown shape is compatible with any (as in TF): adopt the stored one
+                self._definition = theirs
+            elif theirs != mine:
                 raise InvalidArgumentError(
                     f"Accumulator {self._shared_name!r} already exists as "
                     f"{theirs.describe()}; cannot open it as {self._definition.describe()}"
@@ -467,7 +473,7 @@ class AccumulatorBase:
                 if deadline is not None:
                     wait = min(wait, deadline - time.monotonic())
                     if wait <= 0:
-                        raise DeadlineExceededError()
+                        raise DeadlineExceededError(self._timeout_message(n, timeout))
                 # Wake-ups are hints: the take script re-checks after every one.
                 if int(reply[1]) == 1:
                     # At the head: one persistent token on a list, pushed by the apply that
@@ -514,6 +520,21 @@ class AccumulatorBase:
                 f"take_grad on {self._shared_name!r} read its round after its claim lease ran "
                 "out, and another taker took the round over; this take returns nothing"
             )
+    def _timeout_message(self, n: int, timeout: float) -> str:
+        """TF's text, then what was there: which accumulator, how many of how many, when."""
+        where = repr(self._shared_name)
+        if self._container:
+            where += f" in container {self._container!r}"
+        try:
+            count, step = self._conns.commands.hmget(self._keys.state, ["count", "step"])
+            have = f"{int(count or 0)} of {n} gradients at global step {int(step or 0)}"
+        except Exception:  # noqa: BLE001 - the message must not fail
+            have = f"fewer than {n} gradients"
+        return (
+            f"Timed out waiting for notification: take_grad({n}) on accumulator {where} had "
+            f"{have} after {timeout:g}s"
+        )
+
     def _take_script_args(
         self, taker: str, n: int, lease_ms: int, spent: list[str | bytes] | None = None
     ) -> tuple[list[Any], list[Any]]:
