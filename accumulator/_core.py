@@ -58,9 +58,7 @@ TAKER_LEASE_SECONDS = 6.0
 ORPHAN_TTL_MS = 3600 * 1000
 #: How long Redis remembers a client's last apply, to answer a retried one again.
 DEDUP_TTL_MS = 600 * 1000
-#: How long an inline-only claim is kept for a retried take.
-CLAIM_TTL_MS = 300 * 1000
-#: A claim with payload keys is leased to its taker for this long, plus CLAIM_LEASE_MS_PER_MIB
+#: A claim is leased to its taker for this long, plus CLAIM_LEASE_MS_PER_MIB
 #: per MiB of payload, while it reads and reduces the round; past that the taker is taken for
 #: gone and the next take hands its round over (nothing is lost with a crashed chief).
 CLAIM_LEASE_MS = 30 * 1000
@@ -208,9 +206,6 @@ class AccumulatorBase:
         self._conns = connect(client)
         self._local = _ClientState()
         self._closed = False
-        # What this object's last take left for the next one to free: the claim of an
-        # inline-only round (a retry buffer for a lost reply).
-        self._spent: list[str | bytes] = []
         self._open()
         self._finalizer = (
             weakref.finalize(self, _delete_keys, self._conns, self._keys)
@@ -494,8 +489,7 @@ class AccumulatorBase:
                     queue = None
             claim, blob_keys = self._read_claim(entries, claim_key)
             result = decode(claim)
-            if blob_keys:
-                self._finish(taker, claim_key, blob_keys)
+            self._finish(taker, claim_key, blob_keys)
         except BaseException:
             # Not claimed: withdraw from the FIFO. Claimed (or unsure: a lost reply), the
             # script gives the round back as it was.
@@ -504,7 +498,6 @@ class AccumulatorBase:
         finally:
             if queue is not None:
                 queue.close()
-        self._spent = [] if blob_keys else [claim_key]
         return result
 
     def _finish(self, taker: str, claim_key: str, blob_keys: list[bytes]) -> None:
@@ -535,14 +528,12 @@ class AccumulatorBase:
             f"{have} after {timeout:g}s"
         )
 
-    def _take_script_args(
-        self, taker: str, n: int, lease_ms: int, spent: list[str | bytes] | None = None
-    ) -> tuple[list[Any], list[Any]]:
+    def _take_script_args(self, taker: str, n: int, lease_ms: int) -> tuple[list[Any], list[Any]]:
         """KEYS and ARGV of the take script (see lua/take.lua)."""
         k = self._keys
         keys = [k.state, k.grads, k.takers, k.taker_info, k.claim(taker), k.wake, k.queue_wake,
-                k.quarantine, k.claims, *(self._spent if spent is None else spent)]  # fmt: skip
-        args = [SCHEMA_VERSION, taker, n, lease_ms, CLAIM_TTL_MS,
+                k.quarantine, k.claims]  # fmt: skip
+        args = [SCHEMA_VERSION, taker, n, lease_ms,
                 "s" if self._kind == "sparse" else "d", self.dtype.itemsize,
                 CLAIM_LEASE_MS, CLAIM_LEASE_MS_PER_MIB]  # fmt: skip
         return keys, args

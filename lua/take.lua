@@ -3,19 +3,16 @@
 -- KEYS[1] state  KEYS[2] grads list  KEYS[3] takers zset  KEYS[4] taker info hash
 -- KEYS[5] claim list of this taker  KEYS[6] head wake list  KEYS[7] queue wake channel (pub/sub)
 -- KEYS[8] quarantine list  KEYS[9] claim registry hash (taker id -> claim lease expiry ms)
--- KEYS[10..] what this client's previous (completed) take left to free: its claim (a retry
---         buffer of inline payloads); or none
 -- ARGV[1] schema  ARGV[2] taker id  ARGV[3] num_required  ARGV[4] lease ms
--- ARGV[5] expiry ms of a claim that holds only inline payloads
--- ARGV[6] 'd' dense | 's' sparse  ARGV[7] bytes per element of the accumulator dtype
--- ARGV[8] claim lease ms  ARGV[9] claim lease: extra ms per MiB of payload
+-- ARGV[5] 'd' dense | 's' sparse  ARGV[6] bytes per element of the accumulator dtype
+-- ARGV[7] claim lease ms  ARGV[8] claim lease: extra ms per MiB of payload
 -- Returns {1, claim, quarantined, adopted} where claim = {header, entry...}, header =
 -- "<new step> <count> <payload bytes> <gen> <0|1> <round shape>" (1 when a round shape is
 -- recorded) and adopted = 1 when the claim is one a taker that is gone left behind (its step
 -- was advanced then; the round is handed over as it was); or {0, is_head, quarantined} when
 -- it must wait.
 --
--- A claim holding payload keys is registered with a lease until its taker has read and
+-- Every claim is registered with a lease until its taker has read and
 -- reduced it (finish.lua) or given it back (leave.lua). A claim whose lease ran out belongs to
 -- a taker that is gone: the next taker at the head of the FIFO takes it over before anything
 -- else, so no accepted gradient is lost with a crashed chief.
@@ -29,16 +26,12 @@ local base, kerr = own_keys({':g', ':t', ':ti', '', ':w', ':q', ':x', ':cl'})
 if not base then return kerr end
 local me = ARGV[2]
 if claim ~= base .. ':c:' .. me or not is_own(base, claim, 'c') or not is_count(ARGV[3])
-    or tonumber(ARGV[3]) < 1 or not is_count(ARGV[4]) or not is_count(ARGV[5])
-    or not (ARGV[6] == 'd' or ARGV[6] == 's') or not is_count(ARGV[7])
-    or not is_count(ARGV[8]) or not is_count(ARGV[9]) then
+    or tonumber(ARGV[3]) < 1 or not is_count(ARGV[4])
+    or not (ARGV[5] == 'd' or ARGV[5] == 's') or not is_count(ARGV[6])
+    or not is_count(ARGV[7]) or not is_count(ARGV[8]) then
   return acc_error('BADARG take')
 end
-for i = 10, #KEYS do
-  if not is_own(base, KEYS[i], 'c') then
-    return acc_error('BADKEY ' .. i)
-  end
-end
+if #KEYS ~= 9 then return acc_error('BADKEY ' .. #KEYS) end
 local err, st = read_state(state, ARGV[1], {'step', 'count', 'rshape', 'ttl', 'n_taken',
   'grads_taken', 'gen', 'bytes'})
 if err then return err end
@@ -53,9 +46,6 @@ err = check_acl({{'UNLINK', claim}, {'UNLINK', some_blob}, {'HSET', state},
   {'MGET', some_blob}, {'PEXPIRE', some_blob}, {'PERSIST', some_blob}, {'STRLEN', some_blob},
   {'HSET', KEYS[9]}, {'HDEL', KEYS[9]}})
 if err then return err end
-for i = 10, #KEYS do
-  if KEYS[i] ~= claim then redis.call('UNLINK', KEYS[i]) end  -- UNLINK: freed off-thread
-end
 
 -- A retry of a take that already claimed (the reply was lost): hand out the same round.
 if redis.call('EXISTS', claim) == 1 then
@@ -94,7 +84,7 @@ if queued then
 end
 
 local function claim_lease(nbytes)
-  return int_str(now + tonumber(ARGV[8]) + math.floor(tonumber(nbytes) / 1048576 * tonumber(ARGV[9])))
+  return int_str(now + tonumber(ARGV[7]) + math.floor(tonumber(nbytes) / 1048576 * tonumber(ARGV[8])))
 end
 
 local function leave_fifo()
@@ -133,9 +123,9 @@ local nbytes = st.bytes
 if not queued and count >= n then
   local dims = 1
   for d in string.gmatch(st.rshape or '', '%d+') do dims = dims * tonumber(d) end
-  local isz = tonumber(ARGV[7])
+  local isz = tonumber(ARGV[6])
   local function fits(len)
-    if ARGV[6] == 'd' then return len == dims * isz end
+    if ARGV[5] == 'd' then return len == dims * isz end
     return len % (8 + dims * isz) == 0
   end
   local entries = redis.call('LRANGE', grads, 0, -1)
@@ -192,18 +182,9 @@ local header = redis.call('HGET', state, 'step') .. ' ' .. int_str(count) .. ' '
 redis.call('RENAME', grads, claim)  -- count >= num_required >= 1: the list exists
 redis.call('LPUSH', claim, header)
 local entries = redis.call('LRANGE', claim, 0, -1)
-local inline_only = true
-for i = 2, #entries do
-  if string.sub(entries[i], 1, 1) ~= 'i' then inline_only = false break end
-end
--- Only inline payloads: the claim is just a retry buffer and may expire. With blob keys it
--- stays, under a lease, until the taker has read them (finish.lua), or gives it back.
-if inline_only then
-  redis.call('PEXPIRE', claim, ARGV[5])
-else
-  redis.call('PERSIST', claim)
-  redis.call('HSET', KEYS[9], me, claim_lease(nbytes))
-end
+-- Kept, under a lease, until the taker has read and reduced it (finish.lua) or gives it back.
+redis.call('PERSIST', claim)
+redis.call('HSET', KEYS[9], me, claim_lease(nbytes))
 
 redis.call('HSET', state, 'count', 0, 'bytes', 0, 'last_take_ms', int_str(now),
   'last_take_wait_ms', int_str(now - joined), 'gen', gen,

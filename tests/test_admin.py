@@ -74,7 +74,7 @@ def _claim_round(r: redis.Redis, name: str, taker: str, num_required: int) -> An
             k.quarantine,
             k.claims,
         ],  # no earlier take's retry buffer to delete
-        [SCHEMA_VERSION, taker, num_required, 15_000, 300_000, "d", 4, 30_000, 0],
+        [SCHEMA_VERSION, taker, num_required, 15_000, "d", 4, 30_000, 0],
     )
 
 
@@ -218,7 +218,7 @@ def test_describe_lifetime_statistics(make: Callable[..., Any], r: redis.Redis) 
     assert info.last_take_ms >= info.created_ms
     assert info.detailed and info.keys is not None and info.keys >= 2
     assert info.claims == () and info.takers == () and info.stray_keys == 0
-    assert info.retry_buffers == 1  # the take's round, kept briefly for a retried take
+    assert info.retry_buffers == 0  # the take freed its claim when it returned
 
 
 def test_describe_waiting_taker(make: Callable[..., Any], r: redis.Redis) -> None:
@@ -274,9 +274,9 @@ def _first_blob_parts(r: redis.Redis, claim_key: str) -> tuple[str, int]:
 def test_finished_takes_are_not_left_behind(make: Callable[..., Any], r: redis.Redis) -> None:
     acc = make("fine")
     acc.apply_grad(np.ones(SHAPE), local_step=0)
-    acc.take_grad(1)  # inline payloads: its claim stays a few minutes as a retry buffer
+    acc.take_grad(1)  # its claim is freed when the take returns
     info = _admin.describe(r, "fine")
-    assert info.claims == () and info.retry_buffers == 1 and info.stray_keys == 0
+    assert info.claims == () and info.retry_buffers == 0 and info.stray_keys == 0
 
 
 def test_interrupted_take_gives_its_claim_back(
