@@ -191,14 +191,14 @@ class AccumulatorBase:
                 f"max_pending_bytes must be a positive integer or None, got {max_pending_bytes!r}"
             )
         self._max_pending = max_pending_bytes
-        if reduction_type not in _REDUCTIONS:
+        if not isinstance(reduction_type, str) or reduction_type not in _REDUCTIONS:
             raise InvalidArgumentError(
                 f"Unsupported reduction type: {reduction_type!r} (expected 'MEAN' or 'SUM')"
             )
         self._definition = Definition(
             self._kind, resolve_dtype(dtype), normalize_shape(shape), reduction_type
         )
-        self._name = name
+        self._name = None if name is None else _check_name(name, "name")
         self._private = not shared_name
         self._shared_name = shared_name or f"__private__/{uuid.uuid4().hex}"
         self._container = container
