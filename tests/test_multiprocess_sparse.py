@@ -3,10 +3,11 @@ exactly once.
 
 Worker ``w``'s ``j``-th gradient touches two rows unique to ``(w, j)`` (value 1) and the
 shared row 0 twice (value 0.5 each, in an unsorted index list: coalesced into one 1.0
-contribution). With SUM, each unique row shows up in exactly one take, and row 0's total over
-all takes is the number of accepted gradients. Two taker processes compete for the rounds;
-all processes start together (a barrier) and workers pace their applies, so that many rounds
-are taken while gradients keep arriving.
+contribution). With SUM, each unique row shows up in exactly one take, and row 0's value in a
+take is the number of gradients in it. Two taker processes compete for the rounds; all
+processes start together (a barrier) and workers pace their applies, so that rounds are
+usually taken while gradients keep arriving; how many takes that gives depends on scheduling,
+so nothing is asserted about it: the checks are exact accounting, take by take.
 """
 
 from __future__ import annotations
@@ -60,8 +61,7 @@ def _worker(url: str, name: str, inner: int, worker: int, start: Any, out: mp.Qu
 def _taker(url: str, name: str, inner: int, start: Any, stop: Any, out: mp.Queue) -> None:
     acc = _open(url, name, inner)
     start.wait()
-    taken: list[list[int]] = []
-    shared = 0.0
+    taken: list[tuple[list[int], float]] = []  # per take: unique rows, row 0's value
     consistent = True
     while True:
         try:
@@ -73,12 +73,13 @@ def _taker(url: str, name: str, inner: int, start: Any, stop: Any, out: mp.Queue
         consistent &= shape.tolist() == [ROWS, inner]
         consistent &= bool((np.diff(indices) > 0).all())  # sorted, unique
         consistent &= bool((values == values[:, :1]).all())  # every column alike
+        shared = 0.0
         if len(indices) and indices[0] == 0:
-            shared += float(values[0, 0])
+            shared = float(values[0, 0])
             indices, values = indices[1:], values[1:]
         consistent &= bool((values == 1.0).all())
-        taken.append(indices.tolist())
-    out.put(("taker", taken, shared, consistent))
+        taken.append((indices.tolist(), shared))
+    out.put(("taker", taken, consistent))
 
 
 @pytest.mark.slow
@@ -116,25 +117,28 @@ def test_concurrent_sparse_workers_and_takers_lose_nothing(real, inner):
         assert t.exitcode == 0
     assert time.monotonic() - started < 60
 
-    taken_lists = [rows for report in taker_reports for rows in report[1]]
-    shared = sum(report[2] for report in taker_reports)
-    assert all(report[3] for report in taker_reports), "a take returned malformed rows"
+    takes = [take for report in taker_reports for take in report[1]]
+    assert all(report[2] for report in taker_reports), "a take returned malformed rows"
+    # every take of the takers holds at least the 3 gradients it asked for, each counted once
+    # in row 0 (two unique rows per gradient)
+    assert takes, "the takers took nothing"
+    assert all(shared >= 3 and shared == len(rows) / 2 for rows, shared in takes), [
+        (len(rows), shared) for rows, shared in takes
+    ]
     # what the last (incomplete) round holds is taken here
     leftover = acc.num_accumulated()
     if leftover:
         indices, values, _ = acc.take_grad(leftover)
         assert indices[0] == 0
-        shared += float(values[0, 0])
-        taken_lists.append(indices[1:].tolist())
+        takes.append((indices[1:].tolist(), float(values[0, 0])))
 
     expected = sorted(r for w, js in accepted.items() for j in js for r in _rows(w, j))
     n_accepted = sum(len(js) for js in accepted.values())
     assert n_accepted > WORKERS * PER_WORKER // 2, "too few gradients accepted to mean much"
-    assert len(taken_lists) > 10, "too few takes ran concurrently with the applies"
-    taken = sorted(r for rows in taken_lists for r in rows)
+    taken = sorted(r for rows, _ in takes for r in rows)
     # every accepted gradient's rows exactly once; no dropped gradient's rows; nothing else
     assert taken == expected
-    assert shared == float(n_accepted)
+    assert sum(shared for _, shared in takes) == float(n_accepted)
     r = real.redis()
     keys = Keys("", name)
     stats = r.hgetall(keys.state)

@@ -114,6 +114,55 @@ def test_kill_then_start_again(server: RedisServer) -> None:
 
 
 @pytest.mark.real
+def test_persistent_keeps_acknowledged_writes_across_kill_and_restart(binary: str) -> None:
+    srv = RedisServer(binary, persistent=True).start()
+    try:
+        assert srv.persistent
+        port, workdir = srv.port, srv.workdir
+        assert workdir is not None
+        r = srv.client(retry=_no_retry())
+        assert r.config_get("appendonly") == {"appendonly": "yes"}
+        assert r.config_get("appendfsync") == {"appendfsync": "always"}
+        r.set("k", "v")
+        r.rpush("l", *range(100))
+        r.hset("h", mapping={"a": 1, "b": "x" * 100_000})  # bigger than one write buffer
+        old_pid = srv.pid
+        srv.kill()  # SIGKILL: no shutdown, only what is on disk survives
+        assert not srv.running and workdir.exists()
+        srv.start()
+        assert (srv.port, srv.workdir) == (port, workdir)
+        assert srv.pid != old_pid
+        assert r.get("k") == b"v"  # acknowledged before the crash: fsynced (appendfsync always)
+        assert r.lrange("l", 0, -1) == [str(i).encode() for i in range(100)]
+        assert r.hget("h", "b") == b"x" * 100_000
+        r.incr("n")
+        srv.restart()  # SIGTERM and start: the data stays too
+        assert r.get("n") == b"1" and r.get("k") == b"v"
+        r.close()
+    finally:
+        srv.stop()
+    assert not workdir.exists()  # stop() removes even a persistent server's data
+
+
+@pytest.mark.real
+def test_persistent_args_override_the_defaults(binary: str) -> None:
+    with RedisServer(binary, persistent=True, args=["--appendfsync", "everysec"]) as srv:
+        r = srv.client()
+        assert r.config_get("appendonly") == {"appendonly": "yes"}
+        assert r.config_get("appendfsync") == {"appendfsync": "everysec"}
+        r.close()
+
+
+@pytest.mark.real
+def test_kill_then_start_without_persistence_loses_data(server: RedisServer) -> None:
+    assert not server.persistent
+    server.client().set("k", "v")
+    server.kill()
+    server.start()
+    assert server.client().get("k") is None
+
+
+@pytest.mark.real
 def test_stop_cleans_up(binary: str) -> None:
     srv = RedisServer(binary).start()
     pid, port, workdir = srv.pid, srv.port, srv.workdir
