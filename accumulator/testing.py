@@ -158,6 +158,20 @@ class _StartupError(RuntimeError):
         self.port_taken = port_taken
 
 
+_SECRET_OPTIONS = (
+    "--requirepass", "--masterauth", "--tls-key-file-pass", "--tls-client-key-file-pass",
+)  # fmt: skip
+
+
+def _masked(cmd: Sequence[str]) -> list[str]:
+    """The command line with the values of password options replaced, for logs."""
+    out = list(cmd)
+    for i in range(1, len(out)):
+        if out[i - 1].lower() in _SECRET_OPTIONS:
+            out[i] = "***"
+    return out
+
+
 class RedisServer:
     """A throwaway redis-server on 127.0.0.1 for tests; by default without persistence.
 
@@ -406,7 +420,7 @@ class RedisServer:
             "--logfile", str(self.log_path),
             *self._args,
         ]  # fmt: skip
-        log.debug("starting %s", cmd)
+        log.debug("starting %s", _masked(cmd))
         # Errors before the logfile opens (bad arguments) go to stdout/stderr: keep them too.
         # The child stays in our process group so a signal to the whole test run reaches it.
         with open(self._dir / "stdout.log", "ab" if self._persistent else "wb") as out:

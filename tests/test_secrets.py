@@ -352,3 +352,17 @@ def test_cli_tls(tls_server: tuple[int, Path]) -> None:
     err = shown(cli("ls", "--tls-ca-cert", "/nonexistent/ca.pem", "--url", url, env=auth), 2)
     assert "no such file" in err
     assert "unix://" in shown(cli("ls", "--tls", "--url", "unix:///tmp/nothing.sock"), 2)
+
+
+def test_redis_server_logs_no_password(caplog):
+    import logging
+
+    from accumulator.testing import RedisServer, find_server_binary
+
+    if find_server_binary() is None:
+        pytest.skip("no redis-server binary")
+    caplog.set_level(logging.DEBUG, logger="accumulator")
+    with RedisServer(args=["--requirepass", "s3cret-pw"]) as server:
+        assert server.running
+    assert "s3cret-pw" not in caplog.text
+    assert "--requirepass" in caplog.text
