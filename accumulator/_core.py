@@ -61,7 +61,7 @@ DEDUP_TTL_MS = 600 * 1000
 #: A claim is leased to its taker for this long, plus CLAIM_LEASE_MS_PER_MIB
 #: per MiB of payload, while it reads and reduces the round; past that the taker is taken for
 #: gone and the next take hands its round over (nothing is lost with a crashed chief).
-CLAIM_LEASE_MS = 30 * 1000
+CLAIM_LEASE_MS = 5 * 1000
 CLAIM_LEASE_MS_PER_MIB = 50  # 20 MiB/s: far below loopback or LAN speed
 #: Redis's default ``proto-max-bulk-len``: one value may not be larger; beyond it the server
 #: resets the connection (and retries take long to fail), so refuse up front.
@@ -158,6 +158,9 @@ class AccumulatorBase:
     #: Tuning knobs, per object so that tests (and unusual deployments) can shorten them.
     wait_slice: float = WAIT_SLICE
     taker_lease: float = TAKER_LEASE_SECONDS
+    #: Seconds (plus CLAIM_LEASE_MS_PER_MIB per MiB) a claimed round stays this taker's while
+    #: it reads and reduces it; past that, if another taker comes, the round is handed over.
+    claim_lease: float | None = None  # None: CLAIM_LEASE_MS
     #: Seconds an operation rides through an unreachable Redis (a restart, a failover, killed
     #: connections) before raising :class:`UnavailableError`; retried applies count once.
     retry_window: float = _retry.RETRY_WINDOW
@@ -535,7 +538,8 @@ class AccumulatorBase:
                 k.quarantine, k.claims]  # fmt: skip
         args = [SCHEMA_VERSION, taker, n, lease_ms,
                 "s" if self._kind == "sparse" else "d", self.dtype.itemsize,
-                CLAIM_LEASE_MS, CLAIM_LEASE_MS_PER_MIB]  # fmt: skip
+                CLAIM_LEASE_MS if self.claim_lease is None else int(self.claim_lease * 1000),
+                CLAIM_LEASE_MS_PER_MIB]  # fmt: skip
         return keys, args
 
     def _wait(self, block: Any, *args: Any, **kwargs: Any) -> bool:
