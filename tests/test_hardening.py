@@ -182,16 +182,19 @@ def test_open_warns_when_redis_may_evict_our_keys(real, caplog):
 # -- 7. no claim-then-fail ----------------------------------------------------------------------
 
 
+def raising(exc: type[BaseException]):
+    def fail(*args, **kwargs):
+        raise exc
+
+    return fail
+
+
 @pytest.mark.parametrize("shape", [SMALL, LARGE], ids=["inline", "blob"])
 def test_a_take_that_fails_after_claiming_gives_the_round_back(target, shape, monkeypatch):
     acc = make(target, shape=shape)
     acc.apply_grad(np.ones(shape))
     acc.apply_grad(np.full(shape, 3.0))
-
-    def out_of_memory(*args, **kwargs):
-        raise MemoryError
-
-    monkeypatch.setattr(_reduce, "dense_reduce", out_of_memory)
+    monkeypatch.setattr(_reduce, "dense_reduce", raising(MemoryError))
     with pytest.raises(MemoryError):
         acc.take_grad(2)
     assert acc.global_step() == 0 and acc.num_accumulated() == 2
@@ -207,11 +210,7 @@ def test_a_sparse_take_that_fails_while_merging_gives_the_round_back(target, mon
         np.float32, (10, 2), shared_name="s", client=target.client()
     )
     acc.apply_grad([1, 3], np.ones((2, 2)))
-
-    def interrupted(*args, **kwargs):
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(_reduce, "sparse_merge", interrupted)
+    monkeypatch.setattr(_reduce, "sparse_merge", raising(KeyboardInterrupt))
     with pytest.raises(KeyboardInterrupt):
         acc.take_grad(1)
     assert acc.global_step() == 0 and acc.num_accumulated() == 1
