@@ -19,6 +19,15 @@ program) is listed as a warning row (``KIND`` ``?``, the reason below the table)
 ``ls --json`` as an entry with ``"kind": "?"`` and an ``"error"`` string (``"error": null``
 on every readable entry).
 
+Commands: ``ls``, ``show``, ``watch`` (read-only), ``set-step`` (asks first when the
+accumulator is live: pending gradients or waiting takers), ``reset``, ``delete``,
+``reset-container`` (destructive: they ask on a terminal, refuse without one unless
+``--yes``), ``job NAME`` (a sync job of :mod:`accumulator.sync`: published step, chief lease,
+workers, parameters, with a warning when they disagree; ``--delete`` removes a finished
+job's keys, an unfinished one only with ``--force``) and ``demo`` (its own options, handed
+over unparsed). A single-accumulator command whose name is not found, but exists in other
+containers, says where.
+
 Exit codes: 0 ok; 1 no such accumulator; 2 usage error, or a destructive command refused
 (no ``--yes`` and no terminal to ask on, or answered no); 3 cannot connect (server unreachable,
 password wrong or missing); 4 any other error reported by the server (e.g. a key schema this
@@ -55,6 +64,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from . import _admin
+from ._codec import format_shape
 from ._connection import default_url
 from ._errors import AccumulatorError, InvalidArgumentError, NotFoundError, SchemaVersionError
 from ._keys import SCHEMA_VERSION
@@ -102,18 +112,25 @@ class Command:
     run: Runner
     arguments: tuple[ArgSpec, ...] = ()
     destructive: bool = False  # adds -y/--yes; the command asks first (see Context.confirm)
+    #: Takes its own options (all arguments after the name go to ``run`` as ``args.args``,
+    #: unparsed): listed in ``--help`` like the others.
+    passthrough: bool = False
 
 
 COMMANDS: dict[str, Command] = {}
 
 
 def command(
-    name: str, help: str, *arguments: ArgSpec, destructive: bool = False
+    name: str,
+    help: str,
+    *arguments: ArgSpec,
+    destructive: bool = False,
+    passthrough: bool = False,
 ) -> Callable[[Runner], Runner]:
     """Register a subcommand: ``@command("name", "one-line help", arg(...), ...)``."""
 
     def register(func: Runner) -> Runner:
-        COMMANDS[name] = Command(name, help, func, tuple(arguments), destructive)
+        COMMANDS[name] = Command(name, help, func, tuple(arguments), destructive, passthrough)
         return func
 
     return register
@@ -299,8 +316,8 @@ def fmt_time(ms: int | None, now_ms: int | None) -> str:
     return stamp if now_ms is None else f"{stamp} ({fmt_ms(now_ms - ms)} ago)"
 
 
-def plural(n: int, word: str) -> str:
-    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+def plural(n: int, word: str, many: str | None = None) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {many or word + 's'}"
 
 
 def table(
@@ -402,10 +419,16 @@ def render_show(info: _admin.Info, prev: _admin.Info | None = None) -> list[str]
         if info.memory_bytes is not None
         else ", memory n/a (MEMORY USAGE not available)"
     )
+    limit = (
+        fmt_bytes(info.max_pending_bytes)
+        if info.max_pending_bytes is not None
+        else "default (set by no opener)"
+    )
     head = [
         ("definition", definition),
         ("global step", str(info.step)),
         ("pending round", pending),
+        ("max pending", limit),
         ("waiting takers", str(info.takers_waiting)),
         ("created", fmt_time(info.created_ms, now)),
     ]
@@ -418,6 +441,9 @@ def render_show(info: _admin.Info, prev: _admin.Info | None = None) -> list[str]
     stale = str(info.n_stale)
     if info.n_stale:
         stale += f" (on average {info.mean_stale:.1f} steps behind, at most {info.max_stale})"
+    quarantined = str(info.n_quarantined)
+    if info.detailed:
+        quarantined += f" ({plural(info.quarantined, 'entry', 'entries')} in quarantine now)"
     last_take = "never"
     if info.last_take_ms is not None:
         last_take = f"{fmt_ms(now - info.last_take_ms)} ago" if now is not None else "?"
@@ -430,6 +456,7 @@ def render_show(info: _admin.Info, prev: _admin.Info | None = None) -> list[str]
                 ("applies accepted", str(info.n_applied)),
                 ("stale dropped", stale),
                 ("rejected", str(info.n_rejected)),
+                ("quarantined", quarantined),
                 ("takes", f"{info.n_taken} ({plural(info.grads_taken, 'gradient')})"),
                 ("last take", last_take),
             ]
@@ -599,12 +626,27 @@ def _watch(ctx: Context, args: argparse.Namespace) -> int:
 
 @command(
     "set-step",
-    "set the global step (also downwards); the pending round is kept",
+    "set the global step (also downwards); the pending round is kept; asks first when the "
+    "accumulator is live (pending gradients or waiting takers)",
     arg("name", help="its shared_name"),
     arg("step", type=int, metavar="N", help="the new global step"),
+    destructive=True,
 )
 def _set_step(ctx: Context, args: argparse.Namespace) -> int:
-    old = _admin.set_step(ctx.connect(), args.name, args.step, ctx.scope)
+    r = ctx.connect()
+    info = _admin.describe(r, args.name, ctx.scope, memory=False)
+    if info.count or info.takers_waiting:
+        live = (
+            f"{plural(info.count, 'pending gradient')} at step {info.step}, "
+            f"{plural(info.takers_waiting, 'waiting taker')}"
+        )
+        ctx.confirm(
+            f"{_where(args.name, ctx.scope)} is live: {live}. Set its global step "
+            f"{info.step} -> {args.step}? (a chief and its workers disagree on the step then)",
+            args.yes,
+            f"set the step of live accumulator {esc(args.name, quote=True)} ({live})",
+        )
+    old = _admin.set_step(r, args.name, args.step, ctx.scope)
     if ctx.json:
         ctx.dump(
             {"container": ctx.scope, "name": args.name, "previous_step": old, "step": args.step}
@@ -699,6 +741,157 @@ def _reset_container(ctx: Context, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _lease_text(chief: _admin.ChiefLease | None, now: int | None) -> str:
+    if chief is None:
+        return "none (no chief holds the lease)"
+    who = f"{chief.chief_id} (host {chief.host or '?'}, pid {chief.pid or '?'})"
+    if chief.remaining_ms is None:
+        return f"{who}, lease n/a"
+    if chief.live:
+        renewed = "" if now is None or chief.renewed_ms is None else (
+            f"renewed {fmt_ms(now - chief.renewed_ms)} ago, "
+        )  # fmt: skip
+        return f"{who}, lease {renewed}{fmt_ms(chief.remaining_ms)} left"
+    return f"{who}, lease ran out {fmt_ms(-chief.remaining_ms)} ago (the chief is gone?)"
+
+
+def render_job(info: _admin.JobInfo) -> list[str]:
+    """``accumulator job NAME``: the published state, the chief, workers, parameters."""
+    now = info.now_ms
+    title = f"sync job {esc(info.job, quote=True)}"
+    if info.container:
+        title += f" in container {esc(info.container, quote=True)}"
+    if info.step is None:
+        state = "none (not initialized, or deleted)"
+    else:
+        state = f"{info.step} ({'finished' if info.done else 'running'})"
+    head = [("published step", state)]
+    if info.replicas is not None:
+        head.append(
+            ("aggregation", f"{info.replicas} gradients per parameter per step, {info.reduction}")
+        )
+    head.append(("chief", _lease_text(info.chief, now)))
+    accepted = info.pushes - info.partial - info.stale
+    head.append(
+        (
+            "pushes",
+            f"{info.pushes} ({accepted} accepted, {info.stale} stale, "
+            f"{info.partial} partly stale)",
+        )
+    )
+    lines = [title, *_pairs(head), "", f"workers ({len(info.workers)})"]
+    if info.workers:
+        rows = [
+            [
+                w.worker_id,
+                str(w.pushes),
+                str(w.accepted),
+                str(w.stale),
+                str(w.partial),
+                "n/a"
+                if w.last_seen_ms is None or now is None
+                else f"{fmt_ms(now - w.last_seen_ms)} ago",
+            ]
+            for w in info.workers
+        ]
+        headers = ["WORKER", "PUSHES", "ACCEPTED", "STALE", "PARTIAL", "LAST SEEN"]
+        lines += ["  " + x for x in table(headers, rows, right=[1, 2, 3, 4, 5])]
+    else:
+        lines.append("  none")
+    lines += ["", f"parameters ({len(info.params)})"]
+    if info.params:
+        rows = [
+            [
+                p.name,
+                p.shared_name,
+                p.kind,
+                p.dtype,
+                format_shape(p.shape),
+                "missing" if p.step is None else str(p.step),
+                str(p.pending),
+                str(p.takers_waiting),
+                str(p.claimed),
+            ]
+            for p in info.params
+        ]
+        headers = ["PARAM", "ACCUMULATOR", "KIND", "DTYPE", "SHAPE", "STEP", "PENDING", "TAKERS",
+                   "CLAIMED"]  # fmt: skip
+        lines += ["  " + x for x in table(headers, rows, right=[5, 6, 7, 8])]
+    else:
+        lines.append("  none")
+    if info.warnings or info.notes:
+        lines.append("")
+        lines += [f"warning: {esc(w)}" for w in info.warnings]
+        lines += [f"note: {esc(n)}" for n in info.notes]
+    return lines
+
+
+@command(
+    "job",
+    "a sync job (accumulator.sync): published step and done flag, chief, workers, parameters",
+    arg("name", help="the job name (as given to ParameterServer and Worker)"),
+    arg(
+        "--delete",
+        action="store_true",
+        help="delete the job's keys (parameters, counters, chief lease, and the accumulators "
+        "of its parameters); a job that is not finished only with --force",
+    ),
+    arg("--force", action="store_true", help="with --delete: also a job that is not finished"),
+    destructive=True,
+)
+def _job(ctx: Context, args: argparse.Namespace) -> int:
+    r = ctx.connect()
+    info = _admin.describe_job(r, args.name, ctx.scope)
+    where = esc(args.name, quote=True) + (
+        f" (container {esc(ctx.scope, quote=True)})" if ctx.scope else ""
+    )
+    if not args.delete:
+        if args.force:
+            raise CliError(EXIT_USAGE, "--force goes with --delete", "usage")
+        if ctx.json:
+            ctx.dump(info.to_dict())
+        else:
+            ctx.write("\n".join(render_job(info)))
+        return EXIT_OK
+    live = info.chief is not None and info.chief.live
+    if info.step is not None and not info.done and not args.force:
+        chief = f"; its chief {esc(info.chief.chief_id, quote=True)} is live" if live else ""  # type: ignore[union-attr]
+        raise CliError(
+            EXIT_USAGE,
+            f"sync job {where} is not finished (published step {info.step}{chief}); "
+            "pass --force to delete it anyway",
+            "refused",
+        )
+    detail = f"{plural(len(info.params), 'parameter')}, {plural(info.pushes, 'push', 'pushes')}"
+    if info.step is not None:
+        detail = f"step {info.step}, " + ("finished, " if info.done else "NOT finished, ") + detail
+    if live:
+        detail += f"; its chief {esc(info.chief.chief_id, quote=True)} is still live"  # type: ignore[union-attr]
+    ctx.confirm(
+        f"Delete sync job {where} ({detail}) and the accumulators of its parameters?",
+        args.yes,
+        f"delete sync job {esc(args.name, quote=True)}",
+    )
+    removed = _admin.delete_job(r, args.name, ctx.scope, force=True)
+    if ctx.json:
+        ctx.dump({"container": ctx.scope, "job": args.name, "keys_deleted": removed})
+    else:
+        ctx.write(f"deleted sync job {where} ({plural(removed, 'key')})")
+    return EXIT_OK
+
+
+@command(
+    "demo",
+    "run the distributed training demo (its own options: accumulator demo --help)",
+    arg("demo_args", nargs=argparse.REMAINDER, metavar="...", help="the demo's options"),
+    passthrough=True,
+)
+def _demo(ctx: Context, args: argparse.Namespace) -> int:
+    from ._demo import main as demo_main
+
+    return int(demo_main(list(args.demo_args)) or 0)
+
+
 # -- parser and main --------------------------------------------------------------------------
 
 
@@ -753,7 +946,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Inspect and operate the accumulators kept in a Redis server.",
         epilog=f"password: ${AUTH_ENV} (as for redis-cli), used when the URL has none; "
         "passwords are never printed. "
-        "`accumulator demo [--help]` runs the distributed training demo. "
+        "`accumulator demo [--help]` runs the distributed training demo (it takes its own "
+        "options). "
         "exit codes: 0 ok, 1 not found, 2 usage error or refused, 3 cannot connect "
         "(unreachable, wrong password), 4 other server error",
     )
@@ -761,6 +955,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_global_options(parser, top=True)
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for cmd in COMMANDS.values():
+        if cmd.passthrough:  # listed; its arguments are its own (main() hands them over)
+            sub = subparsers.add_parser(
+                cmd.name, help=cmd.help, description=cmd.help, add_help=False
+            )
+            for flags, kwargs in cmd.arguments:
+                sub.add_argument(*flags, **kwargs)
+            continue
         sub = subparsers.add_parser(cmd.name, help=cmd.help, description=cmd.help)
         for flags, kwargs in cmd.arguments:
             sub.add_argument(*flags, **kwargs)
@@ -768,6 +969,42 @@ def build_parser() -> argparse.ArgumentParser:
             sub.add_argument("-y", "--yes", action="store_true", help="do not ask for confirmation")
         _add_global_options(sub, top=False)
     return parser
+
+
+#: Global options that take a value, and those that do not (see _add_global_options).
+_GLOBAL_VALUED = ("--url", "--user", "--tls-ca-cert", "--container")
+_GLOBAL_FLAGS = ("--tls", "--json")
+
+
+def _passthrough(argv: list[str]) -> tuple[Command, list[str] | str] | None:
+    """A passthrough command (``demo``) and its arguments, when it is the command of
+    ``argv``; ``--url``/``--container`` given before it are handed over too (the demo takes
+    both), other global options are a usage error (the message instead of the arguments)."""
+    given: list[str] = []
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        name = token.split("=", 1)[0]
+        if name in _GLOBAL_VALUED:
+            step = 1 if "=" in token else 2
+            given += argv[i : i + step]
+            i += step
+        elif name in _GLOBAL_FLAGS:
+            given.append(token)
+            i += 1
+        else:
+            break
+    head = COMMANDS.get(argv[i]) if i < len(argv) else None
+    if head is None or not head.passthrough:
+        return None
+    names = [t.split("=", 1)[0] for t in given if t.startswith("--")]
+    refused = [n for n in names if n not in ("--url", "--container")]
+    if refused:
+        return head, (
+            f"{head.name} takes its own options ({_PROG} {head.name} --help), not "
+            f"{', '.join(refused)}"
+        )
+    return head, [*given, *argv[i + 1 :]]
 
 
 def _fail(ctx: Context, error: CliError) -> int:
@@ -779,6 +1016,27 @@ def _fail(ctx: Context, error: CliError) -> int:
         with contextlib.suppress(Exception):
             ctx.dump({"error": {"code": error.code, "kind": error.kind, "message": message}})
     return error.code
+
+
+#: The commands that name one accumulator (a name not found gets a container hint).
+_ONE_ACCUMULATOR = ("show", "watch", "set-step", "reset", "delete")
+
+
+def _container_hint(ctx: Context, name: str) -> str:
+    """When ``name`` exists in other containers: where, and how to reach it ("" if not)."""
+    try:
+        others = [c for c in _admin.containers_of(ctx.connect(), name) if c != ctx.scope]
+    except Exception:  # noqa: BLE001 - only a hint
+        return ""
+    if not others:
+        return ""
+    shown = ", ".join(esc(c, quote=True) for c in others[:5]) + (", ..." if len(others) > 5 else "")
+    first = others[0]
+    option = "--container ''" if first == "" else f"--container {esc(first, quote=True)}"
+    return (
+        f"; it exists in {'container' if len(others) == 1 else 'containers'} {shown} "
+        f"(pass {option})"
+    )
 
 
 def _translate(ctx: Context, exc: BaseException) -> CliError:
@@ -817,8 +1075,20 @@ def main(
     stdin: TextIO | None = None,
 ) -> int:
     """Run the CLI; returns the exit code (the console script exits with it)."""
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     err = stderr or sys.stderr
+    passthrough = _passthrough(argv)
+    if passthrough is not None:
+        # its options are its own: nothing here parses them (not even --help)
+        head, forwarded = passthrough
+        if isinstance(forwarded, str):
+            err.write(f"{_PROG}: {forwarded}\n")
+            return EXIT_USAGE
+        return head.run(
+            Context(url=default_url(), container=None, json=False),
+            argparse.Namespace(command=head.name, demo_args=forwarded),
+        )
+    parser = build_parser()
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help, --version, usage errors (code 2)
@@ -850,6 +1120,9 @@ def main(
             sys.stdout = open("/dev/null", "w")  # noqa: SIM115 - silence the flush at exit
         return EXIT_OK
     except Exception as exc:  # noqa: BLE001 - mapped to a message and an exit code
-        return _fail(ctx, _translate(ctx, exc))
+        error = _translate(ctx, exc)
+        if isinstance(exc, NotFoundError) and args.command in _ONE_ACCUMULATOR:
+            error.message += _container_hint(ctx, args.name)
+        return _fail(ctx, error)
     finally:
         ctx.close()

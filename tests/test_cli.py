@@ -302,12 +302,40 @@ def test_watch_ctrl_c_exits_0(real: Target, make: Callable[..., Any]) -> None:
 
 def test_set_step(real: Target, make: Callable[..., Any]) -> None:
     acc = make("s")
-    acc.apply_grad(np.ones(SHAPE), local_step=0)
     assert ok(cli("set-step", "s", "7", "--url", real.url)).strip() == "global step of 's': 0 -> 7"
-    assert acc.global_step() == 7 and acc.num_accumulated() == 1
+    assert acc.global_step() == 7
     data = json.loads(ok(cli("set-step", "s", "2", "--json", "--url", real.url)))
     assert data == {"container": "", "name": "s", "previous_step": 7, "step": 2}
     assert acc.global_step() == 2
+
+
+def test_set_step_on_a_live_accumulator_asks_first(real: Target, make: Callable[..., Any]) -> None:
+    acc = make("live")
+    acc.apply_grad(np.ones(SHAPE), local_step=0)  # a pending gradient: someone is using it
+    err = failed(cli("set-step", "live", "7", "--url", real.url), 2)
+    assert "--yes" in err and "live accumulator 'live'" in err
+    assert acc.global_step() == 0 and acc.num_accumulated() == 1
+    out = ok(cli("set-step", "live", "7", "--yes", "--url", real.url))
+    assert out.strip() == "global step of 'live': 0 -> 7"
+    assert acc.global_step() == 7 and acc.num_accumulated() == 1
+    # on a terminal: the question says what is live
+    out, err_ = io.StringIO(), io.StringIO()
+    code = _cli.main(
+        ["set-step", "live", "3", "--url", real.url], stdout=out, stderr=err_,
+        stdin=_Terminal("n\n"),
+    )  # fmt: skip
+    assert code == 2 and "1 pending gradient at step 7" in err_.getvalue()
+    assert acc.global_step() == 7
+    # a waiting taker makes it live too
+    acc.take_grad(1)
+    taker = threading.Thread(target=lambda: acc.take_grad(1, timeout=30))
+    taker.start()
+    try:
+        _wait_for(lambda: _admin.describe(real.redis(), "live").takers_waiting == 1)
+        assert "1 waiting taker" in failed(cli("set-step", "live", "9", "--url", real.url), 2)
+    finally:
+        acc.apply_grad(np.ones(SHAPE), local_step=8)
+        taker.join(30)
 
 
 def test_reset(real: Target, make: Callable[..., Any]) -> None:
@@ -403,8 +431,9 @@ def test_usage_errors_exit_2(real: Target) -> None:
     failed(cli("set-step", "x", "not-a-number", "--url", real.url), 2)
     assert "invalid --url" in failed(cli("ls", "--url", "http://example.com"), 2)
     help_text = ok(cli("--help"))
-    for name in ("ls", "show", "watch", "set-step", "reset", "delete", "reset-container"):
-        assert name in help_text
+    for name in ("ls", "show", "watch", "set-step", "reset", "delete", "reset-container", "job",
+                 "demo"):  # fmt: skip
+        assert re.search(rf"^    {name} ", help_text, re.MULTILINE), name  # a subcommand row
 
 
 # -- in-process: confirmation on a terminal, the command table ----------------------------------
@@ -468,6 +497,15 @@ def test_demo_subcommand_forwards_to_the_demo() -> None:
     out = ok(cli("demo", "--help"))
     assert "--replicas-to-aggregate" in out and "--role" in out
     assert "accumulator demo" in ok(cli("--help"))
+    # listed among the subcommands, and reached after --url/--container too
+    assert re.search(r"^    demo  +run the distributed training demo", ok(cli("--help")), re.M)
+    assert "--replicas-to-aggregate" in ok(cli("--url", "redis://127.0.0.1:1/0", "demo", "--help"))
+    assert "takes its own options" in failed(cli("--json", "demo", "--help"), 2)
+    # the in-process entry point forwards the same way
+    out_, err_ = io.StringIO(), io.StringIO()
+    with pytest.raises(SystemExit) as info:  # the demo's own argparse: --help exits 0
+        _cli.main(["demo", "--help"], stdout=out_, stderr=err_)
+    assert info.value.code == 0
 
 
 # -- untrusted names and foreign keys (both backends, in-process) -------------------------------
@@ -513,7 +551,8 @@ def test_names_are_escaped_in_every_command(
             (["ls", *c], 0, name),
             (["show", EVIL_NAME, *c], 0, "t\\x1b[31m"),  # and the taker id
             (["watch", EVIL_NAME, "-n", "1", *c], 0, name),
-            (["set-step", EVIL_NAME, "3", *c], 0, container),
+            (["set-step", EVIL_NAME, "3", "--yes", *c], 0, container),  # live: --yes
+            (["job", EVIL_NAME, *c], 1, name),  # no such job: the error
             (["reset", EVIL_NAME, "--yes", *c], 0, name),
             (["delete", "other\n", "--yes", *c], 0, "other\\n"),
             (["show", "nope\x1b[2J", *c], 1, "nope\\x1b[2J"),  # not found: the error
@@ -594,3 +633,165 @@ def test_ls_lists_a_foreign_key_as_a_warning_row(
     finally:
         good.close()
         takers.close()
+
+
+# -- show: more state; a name in another container ---------------------------------------------
+
+
+def test_show_quarantine_and_pending_limit(real: Target, make: Callable[..., Any]) -> None:
+    acc = make("q", max_pending_bytes=1000)
+    acc.apply_grad(np.ones(SHAPE), local_step=0)
+    r = real.redis()
+    r.rpush(acc.accumulator_ref + ":g", b"kother:secret")  # a foreign entry, as a tenant could
+    r.hincrby(acc.accumulator_ref + ":s", "count", 1)
+    acc.take_grad(1)  # quarantines the foreign entry, takes the valid one
+    text = ok(cli("show", "q", "--url", real.url))
+    assert re.search(r"max pending\s+1000 B\n", text)
+    assert re.search(r"quarantined\s+1 \(1 entry in quarantine now\)", text)
+    data = json.loads(ok(cli("show", "q", "--json", "--url", real.url)))
+    assert (data["n_quarantined"], data["quarantined"], data["max_pending_bytes"]) == (1, 1, 1000)
+    make("fresh")
+    assert re.search(r"quarantined\s+0 \(0 entries in quarantine now\)",
+                     ok(cli("show", "fresh", "--url", real.url)))  # fmt: skip
+
+
+def test_a_name_in_another_container_is_hinted(real: Target, make: Callable[..., Any]) -> None:
+    make("x", container="job7")
+    for args in (["show", "x"], ["watch", "x", "-n", "1"], ["reset", "x", "--yes"]):
+        err = failed(cli(*args, "--url", real.url), 1)
+        assert "no accumulator named 'x'" in err
+        assert "it exists in container 'job7' (pass --container 'job7')" in err
+    make("y")
+    err = failed(cli("show", "y", "--container", "job7", "--url", real.url), 1)
+    assert "it exists in container '' (pass --container '')" in err
+    assert "exists in" not in failed(cli("show", "nowhere", "--url", real.url), 1)
+
+
+# -- job: a sync job at a glance -----------------------------------------------------------------
+
+
+def _sync_job(url: str, name: str = "j1"):
+    from accumulator.sync import ParameterServer, Worker
+
+    ps = ParameterServer(name, replicas_to_aggregate=2, sparse={"emb"}, client=url,
+                         chief_id="chief-1")  # fmt: skip
+    ps.initialize({"w": np.zeros((2, 3)), "emb": np.zeros((6, 2))})
+    workers = [Worker(name, client=url, worker_id=f"w{k}") for k in range(3)]
+    for w in workers:
+        w.pull(timeout=5)
+    grads = {"w": np.ones((2, 3)), "emb": ([1], np.ones((1, 2)))}
+    workers[0].push(0, grads)
+    workers[1].push(0, grads)
+    ps.step(0.1, timeout=5)
+    assert not any(workers[2].push(0, grads).values())  # a backup, late: stale
+    workers[0].push(1, grads)  # one of the two gradients of step 1
+    return ps, workers, grads
+
+
+def test_job_shows_step_chief_workers_and_parameters(real: Target) -> None:
+    ps, workers, grads = _sync_job(real.url)
+    try:
+        text = ok(cli("job", "j1", "--url", real.url))
+        assert text.startswith("sync job 'j1'\n")
+        assert re.search(r"published step\s+1 \(running\)", text)
+        assert re.search(r"aggregation\s+2 gradients per parameter per step, MEAN", text)
+        assert re.search(r"chief\s+chief-1 \(host .*, pid \d+\), lease renewed .* left", text)
+        assert re.search(r"pushes\s+4 \(3 accepted, 1 stale, 0 partly stale\)", text)
+        rows = text.split("workers (3)\n", 1)[1].split("\n\n", 1)[0].splitlines()
+        assert rows[0].split() == [
+            "WORKER", "PUSHES", "ACCEPTED", "STALE", "PARTIAL", "LAST", "SEEN",
+        ]  # fmt: skip
+        assert [r.split()[:5] for r in rows[1:]] == [
+            ["w0", "2", "2", "0", "0"], ["w1", "1", "1", "0", "0"], ["w2", "1", "0", "1", "0"],
+        ]  # fmt: skip
+        assert all(r.endswith(" ago") for r in rows[1:])
+        rows = text.split("parameters (2)\n", 1)[1].split("\n\n", 1)[0].splitlines()
+        assert [r.split() for r in rows[1:]] == [
+            ["w", "j1/w", "dense", "float64", "[2,3]", "1", "1", "0", "0"],
+            ["emb", "j1/emb", "sparse", "float64", "[6,2]", "1", "1", "0", "0"],
+        ]
+        assert "warning:" not in text
+
+        data = json.loads(ok(cli("job", "j1", "--json", "--url", real.url)))
+        assert (data["job"], data["step"], data["done"], data["replicas"]) == ("j1", 1, False, 2)
+        assert data["chief"]["chief_id"] == "chief-1" and data["chief"]["live"]
+        seen = [(w["worker_id"], w["pushes"], w["stale"], w["accepted"]) for w in data["workers"]]
+        assert seen == [("w0", 2, 0, 2), ("w1", 1, 0, 1), ("w2", 1, 1, 0)]
+        assert all(w["last_seen_ms"] > 0 for w in data["workers"])
+        assert [(p["name"], p["step"], p["pending"]) for p in data["params"]] == [
+            ("w", 1, 1), ("emb", 1, 1),
+        ]  # fmt: skip
+        assert data["warnings"] == []
+
+        # the chief takes w's round, then... its step is in progress: a note, no warning
+        workers[1].push(1, grads)
+        ps._accs["w"].take_grad(2, timeout=5)
+        data = json.loads(ok(cli("job", "j1", "--json", "--url", real.url)))
+        assert data["warnings"] == []
+        assert any("in the middle of a step" in n for n in data["notes"])
+        # ...and dies before its publish: the accumulator is ahead, no chief renews its lease
+        ps.close()
+        text = ok(cli("job", "j1", "--url", real.url))
+        assert "warning: accumulator 'j1/w' at step 2, ahead of the published step 1: a chief " \
+               "crashed between its take and its publish" in text  # fmt: skip
+        assert re.search(r"chief\s+none", text)
+        assert failed(cli("job", "nope", "--url", real.url), 1).strip().endswith(
+            "no sync job named 'nope'"
+        )
+    finally:
+        for w in workers:
+            w.close()
+        ps.close()
+
+
+def test_job_delete(real: Target) -> None:
+    ps, workers, grads = _sync_job(real.url)
+    for w in workers:
+        w.close()
+    r = real.redis()
+    try:
+        err = failed(cli("job", "j1", "--delete", "--yes", "--url", real.url), 2)
+        assert "not finished (published step 1; its chief 'chief-1' is live)" in err
+        assert "--force" in err
+        assert "--yes" in failed(cli("job", "j1", "--delete", "--force", "--url", real.url), 2)
+        err = failed(cli("job", "j1", "--force", "--url", real.url), 2)
+        assert "--force goes with --delete" in err
+        assert r.exists("accsync:{:j1}:p") and len(_admin.list_accumulators(r)) == 2
+        ps.finish()
+        out = ok(cli("job", "j1", "--delete", "--yes", "--url", real.url))
+        assert re.fullmatch(r"deleted sync job 'j1' \(\d+ keys\)\n", out)
+        assert list(r.scan_iter()) == []
+        failed(cli("job", "j1", "--url", real.url), 1)
+        # --force: a job that is not finished, and its live chief's lease with it
+        ps2, workers2, _ = _sync_job(real.url, "j2")
+        data = json.loads(ok(cli("job", "j2", "--delete", "--force", "--yes", "--json",
+                                 "--url", real.url)))  # fmt: skip
+        assert data["job"] == "j2" and data["keys_deleted"] > 0
+        assert list(r.scan_iter()) == []
+        for w in workers2:
+            w.close()
+        ps2.close()
+    finally:
+        ps.close()
+
+
+def test_job_as_the_sync_role(real: Target) -> None:
+    """``job`` and ``job --delete`` need no more than the README's ``acc-sync`` rights."""
+    from accumulator import _acl
+
+    ps, workers, _ = _sync_job(real.url)
+    r = real.redis()
+    user = f"sync-{os.getpid()}"
+    r.execute_command("ACL", "SETUSER", user, "on", ">pw", *_acl.ROLES["sync"].split())
+    try:
+        url = real.url.replace("redis://", f"redis://{user}:pw@")
+        data = json.loads(ok(cli("job", "j1", "--json", "--url", url)))
+        assert data["step"] == 1 and len(data["workers"]) == 3
+        ps.finish()
+        ok(cli("job", "j1", "--delete", "--yes", "--url", url))
+        assert list(r.scan_iter()) == []
+    finally:
+        r.acl_deluser(user)
+        for w in workers:
+            w.close()
+        ps.close()

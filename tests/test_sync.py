@@ -20,6 +20,7 @@ from accumulator.sync import (
     Worker,
     accumulator_name,
 )
+from accumulator.testing import RedisServer, find_server_binary
 
 LR = 0.1
 
@@ -395,3 +396,97 @@ def test_repr_names_the_job_only(target):
         with Worker("job", client=target.client(), container="") as worker:
             assert repr(worker) == "Worker(job='job', container='', step=None)"
             assert not any(isinstance(v, str) and "://" in v for v in vars(worker).values())
+
+
+# -- Redis restarts -----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def aof_server():
+    """A server of this test's own with AOF (fsync always): its data survives kill -9."""
+    if find_server_binary() is None:
+        pytest.skip("no redis-server binary (scripts/test.sh installs one)")
+    with RedisServer(persistent=True, startup_timeout=60) as server:
+        yield server
+
+
+@pytest.mark.parametrize(
+    "how", ["kill", pytest.param("shutdown", marks=pytest.mark.slow)]
+)
+def test_chief_and_workers_ride_through_a_redis_restart(aof_server, how):
+    """Redis SIGKILLed (or SHUTDOWN) mid-job and started again 2 s later on its AOF: the
+    chief and the workers (threads, each with its own connections) keep going, blocked
+    takes and waiting pulls included, and every step averages exactly both workers'
+    gradients (none lost, none counted twice)."""
+    steps, n, at = 12, 2, 3
+    url = aof_server.url
+    ps = ParameterServer("outage", replicas_to_aggregate=n, sparse={"emb"}, client=url)
+    ps.initialize(_params())
+    errors: list[tuple[str, BaseException]] = []
+    done: list[tuple[int, int, int, int]] = []
+
+    def outage() -> None:
+        if how == "kill":
+            aof_server.kill()
+        else:
+            aof_server.client().shutdown()
+            while aof_server.running:
+                time.sleep(0.01)
+        time.sleep(2.0)
+        aof_server.start()
+
+    restart = threading.Thread(target=outage, daemon=True)
+
+    def sgd(params, grads, step):
+        # Redis goes down here, after the takes: the publish that follows meets the outage,
+        # and so do the workers waiting for this step's parameters (their pub/sub waits)
+        if step == at:
+            restart.start()
+            time.sleep(0.2)
+        for spec in ps.specs:
+            p, g = params[spec.name], grads[spec.name]
+            if spec.kind == "sparse":
+                p[g.indices] -= LR * g.values
+            else:
+                p -= LR * g
+
+    def chief() -> None:
+        try:
+            for s in range(steps):
+                ps.step(sgd, timeout=90, final=s == steps - 1)
+        except BaseException as exc:  # noqa: BLE001 - reported by the test thread
+            errors.append(("chief", exc))
+
+    def worker(k: int) -> None:
+        try:
+            with Worker("outage", client=url, worker_id=f"w{k}") as w:
+                step, params = w.pull(timeout=30)
+                while True:
+                    w.push(step, _grads(params, step, k, same=False))
+                    try:
+                        step, params = w.pull(after=step, timeout=90)
+                    except TrainingFinished:
+                        break
+                done.append((k, w.pushes, w.accepted, w.dropped))
+        except BaseException as exc:  # noqa: BLE001 - reported by the test thread
+            errors.append((f"worker {k}", exc))
+
+    threads = [threading.Thread(target=chief, daemon=True)]
+    threads += [threading.Thread(target=worker, args=(k,), daemon=True) for k in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    restart.join(60)
+    assert not any(t.is_alive() for t in threads)
+    assert not errors, errors
+    expected = _reference(steps, n)[steps]
+    for name in expected:
+        np.testing.assert_allclose(ps.params[name], expected[name], rtol=1e-12)
+    assert sorted(done) == [(k, steps, 2 * steps, 0) for k in range(n)]
+    stats = ps.stats()
+    assert (stats.step, stats.done, stats.pushes, stats.stale, stats.partial) == (
+        steps, True, n * steps, 0, 0,
+    )  # fmt: skip
+    assert all(p.applied == n * steps and p.taken == steps for p in stats.params.values())
+    ps.close()

@@ -1,0 +1,547 @@
+"""accumulator.sync, the job's life: a finished job stays finished, one chief per job (the
+chief lease), pushes checked before anything is applied, errors that name the parameter, and
+a chief that dies during a step (between its takes and its publish) recovered exactly: the
+round it had claimed is handed to the restarted chief, a round it had read is accounted as
+lost, and the published step and the accumulators' steps agree again."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import accumulator
+from accumulator import _scripts
+from accumulator._keys import Keys, SyncKeys
+from accumulator.sync import (
+    ChiefConflictError,
+    ParameterServer,
+    TrainingFinished,
+    Worker,
+    accumulator_name,
+    chief_key,
+)
+
+LR = 0.5
+
+
+def _params(big: bool = False) -> dict[str, np.ndarray]:
+    """w dense, emb sparse, b dense (in this order: the specs' order). ``big``: w is 80 KB,
+    so its gradients travel as payload keys (above the 32 KiB inline limit)."""
+    w = np.linspace(-1.0, 1.0, 100 * 100 if big else 6).reshape((100, 100) if big else (2, 3))
+    return {"w": w, "emb": np.arange(12, dtype=np.float64).reshape(6, 2) / 10,
+            "b": np.array([0.5, -0.5])}  # fmt: skip
+
+
+def _grad(params: dict[str, np.ndarray], step: int, k: int) -> dict:
+    """Worker ``k``'s gradient at ``step``: a function of the parameters, so a gradient that
+    is lost, doubled, or computed on the wrong parameters shows in the result."""
+    rows = np.array(sorted({(k + step) % 6, (2 * k + 1) % 6}))
+    return {
+        "w": params["w"] * 0.1 * (k + 1) + 0.01 * step + k,
+        "emb": (rows, params["emb"][rows] * 0.5 + (k + 1)),
+        "b": params["b"] + k + step,
+    }
+
+
+def _update(params: dict[str, np.ndarray], grads: list[dict], skip: set[str] = frozenset()):
+    """One SGD step averaging ``grads`` (MEAN; sparse rows over their own contributions);
+    parameters in ``skip`` get no update (their gradients were lost)."""
+    out = {k: v.copy() for k, v in params.items()}
+    if "w" not in skip:
+        out["w"] -= LR * np.mean([g["w"] for g in grads], axis=0)
+    if "b" not in skip:
+        out["b"] -= LR * np.mean([g["b"] for g in grads], axis=0)
+    if "emb" not in skip:
+        sums, counts = np.zeros_like(out["emb"]), np.zeros(len(out["emb"]))
+        for g in grads:
+            rows, values = g["emb"]
+            sums[rows] += values
+            counts[rows] += 1
+        used = counts > 0
+        out["emb"][used] -= LR * sums[used] / counts[used, None]
+    return out
+
+
+def _assert_params(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> None:
+    assert set(got) == set(want)
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-12, err_msg=name)
+
+
+def _steps(target, job: str) -> dict[str, int]:
+    return {
+        name: int(target.redis().hget(Keys("", accumulator_name(job, name)).state, "step"))
+        for name in ("w", "emb", "b")
+    }
+
+
+# -- a finished job stays finished --------------------------------------------------------------
+
+
+def test_rerun_finished_chief_keeps_the_job_finished(target, caplog):
+    ps = ParameterServer("fin", replicas_to_aggregate=1, sparse={"emb"}, client=target.client())
+    ps.initialize(_params())
+    worker = Worker("fin", client=target.client(), worker_id="w0")
+    step, params = worker.pull(timeout=5)
+    for s in range(2):
+        worker.push(step, _grad(params, step, 0))
+        ps.step(LR, timeout=5, final=s == 1)
+        step, params = worker.pull(timeout=5)
+    assert ps.finished and step == 2 and worker.finished
+    final = ps.params
+    ps.close()
+
+    again = ParameterServer("fin", replicas_to_aggregate=1, sparse={"emb"},
+                            client=target.client())  # fmt: skip
+    with caplog.at_level("INFO", logger="accumulator.sync"):
+        assert again.initialize(_params()) == 2  # returns: nothing reset
+    assert "is finished" in caplog.text
+    assert again.finished and again.global_step == 2
+    _assert_params(again.params, final)
+    with pytest.raises(TrainingFinished, match="finished"):
+        again.step(LR, timeout=1)
+    again.finish()  # a no-op
+    stats = again.stats()
+    assert stats.done and stats.step == 2 and stats.pushes == 2
+    # a worker waiting for the next step is told at once (it used to hang for its timeout)
+    t0 = time.monotonic()
+    with pytest.raises(TrainingFinished):
+        worker.pull(after=1, timeout=30)
+    assert time.monotonic() - t0 < 5
+    # the README's worker loop: a worker joining the finished job pushes nothing
+    late = Worker("fin", client=target.client(), worker_id="late")
+    step, params = late.pull(timeout=5)
+    pushed = 0
+    while not late.finished:
+        late.push(step, _grad(params, step, 1))
+        pushed += 1
+    assert pushed == 0
+    # resume=False is the explicit new job
+    assert again.initialize(_params(), resume=False) == 0
+    assert not again.finished and again.stats().pushes == 0
+    late.close()
+    worker.close()
+    again.close()
+
+
+def test_push_into_a_finished_job_is_refused(target):
+    ps = ParameterServer("pf", replicas_to_aggregate=1, sparse={"emb"}, client=target.client())
+    ps.initialize(_params())
+    worker = Worker("pf", client=target.client(), worker_id="w0")
+    step, params = worker.pull(timeout=5)
+    worker.push(step, _grad(params, step, 0))
+    assert ps.step(LR, timeout=5, final=True) == 1
+    step, params = worker.pull(timeout=5)
+    assert worker.finished and step == 1
+    with pytest.raises(TrainingFinished, match="nothing was applied"):
+        worker.push(step, _grad(params, step, 0))
+    with pytest.raises(TrainingFinished):
+        worker.push(step + 5, _grad(params, step, 0))
+    r = target.redis()
+    for name in ("w", "emb", "b"):
+        assert int(r.hget(Keys("", accumulator_name("pf", name)).state, "count")) == 0
+    # a late push for an earlier step is dropped as stale, as any late push
+    assert worker.push(0, _grad(params, 0, 0)) == {"w": False, "emb": False, "b": False}
+    stats = ps.stats()
+    assert (stats.pushes, stats.stale) == (2, 1)
+    assert stats.workers["w0"].last_seen_ms is not None
+    worker.close()
+    ps.close()
+
+
+# -- one chief per job --------------------------------------------------------------------------
+
+
+def test_a_second_chief_gets_a_clear_error(target):
+    first = ParameterServer("two", replicas_to_aggregate=1, client=target.client(),
+                            chief_id="chief-a")  # fmt: skip
+    first.initialize({"w": np.zeros(3)})
+    second = ParameterServer("two", replicas_to_aggregate=1, client=target.client(),
+                             chief_id="chief-b")  # fmt: skip
+    with pytest.raises(ChiefConflictError) as info:
+        second.initialize({"w": np.zeros(3)})
+    assert isinstance(info.value, accumulator.AccumulatorError)
+    assert info.value.job == "two" and info.value.holder == "chief-a"
+    assert "'two'" in str(info.value) and "'chief-a'" in str(info.value)
+    assert 0 < info.value.expires_in <= 10
+    with pytest.raises(ChiefConflictError):
+        second.initialize({"w": np.zeros(3)}, resume=False)  # nor may it wipe the job
+    with pytest.raises(ChiefConflictError):
+        second.delete()
+    t0 = time.monotonic()
+    with pytest.raises(ChiefConflictError):
+        second.initialize({"w": np.zeros(3)}, wait_for_chief=0.5)  # the first one lives on
+    assert time.monotonic() - t0 >= 0.5
+    assert first.global_step == 0
+    # a chief that stops cleanly hands the job over at once
+    first.close()
+    assert second.initialize({"w": np.zeros(3)}) == 0
+    second.close()
+
+
+def test_a_chief_that_lost_its_lease_never_publishes(target):
+    ps = ParameterServer("lost", replicas_to_aggregate=1, client=target.client())
+    ps.initialize({"w": np.zeros(3)})
+    worker = Worker("lost", client=target.client())
+    step, _ = worker.pull(timeout=5)
+    worker.push(step, {"w": np.ones(3)})
+    # another chief took the job over (as after this one stalled past its lease)
+    key = chief_key(SyncKeys("", "lost"))
+    far = int(time.time() * 1000) + 60_000
+    target.redis().hset(key, mapping={"id": "usurper", "host": "h", "pid": "1",
+                                      "renewed_ms": far - 60_000, "expires_ms": far})  # fmt: skip
+    with pytest.raises(ChiefConflictError, match="usurper"):
+        ps.step(LR, timeout=5)
+    assert worker.pull(timeout=5)[0] == 0  # nothing was published
+    with pytest.raises(ChiefConflictError):
+        ps.step(LR, timeout=5)
+    worker.close()
+    ps.close()
+    assert target.redis().hget(key, "id") == b"usurper"  # close() released nothing of theirs
+
+
+def _crashing_chief(url: str, job: str, chief_id: str, ready: str) -> None:
+    ps = ParameterServer(job, replicas_to_aggregate=1, client=url, chief_id=chief_id,
+                         chief_lease=1.5)  # fmt: skip
+    ps.initialize({"w": np.zeros(3)})
+    Path(ready).write_text("")
+    time.sleep(600)
+
+
+def _start_and_kill_a_chief(url: str, job: str, chief_id: str, tmp_path: Path) -> None:
+    ready = tmp_path / f"{chief_id}.ready"
+    proc = mp.get_context("spawn").Process(
+        target=_crashing_chief, args=(url, job, chief_id, str(ready)), daemon=True
+    )
+    proc.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            assert time.monotonic() < deadline and proc.is_alive(), "the chief did not start"
+            time.sleep(0.02)
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(10)
+
+
+def test_a_crashed_chief_is_taken_over_once_its_lease_ran_out(real, tmp_path):
+    _start_and_kill_a_chief(real.url, "crash", "dead-chief", tmp_path)
+    ps = ParameterServer("crash", replicas_to_aggregate=1, client=real.url)
+    with pytest.raises(ChiefConflictError, match="dead-chief"):
+        ps.initialize({"w": np.zeros(3)})
+    t0 = time.monotonic()
+    assert ps.initialize({"w": np.zeros(3)}, wait_for_chief=10) == 0
+    assert time.monotonic() - t0 < 5  # its 1.5 s lease ran out
+    assert real.redis().hget(chief_key(SyncKeys("", "crash")), "id") == ps.chief_id.encode()
+    ps.close()
+    # a restarted chief with the crashed one's chief_id takes over at once
+    _start_and_kill_a_chief(real.url, "crash2", "pod-0", tmp_path)
+    again = ParameterServer("crash2", replicas_to_aggregate=1, client=real.url, chief_id="pod-0")
+    assert again.initialize({"w": np.zeros(3)}) == 0
+    again.close()
+
+
+def test_the_lease_is_renewed_while_the_chief_waits(target):
+    ps = ParameterServer("renew", replicas_to_aggregate=1, client=target.client(),
+                         chief_lease=0.6)  # fmt: skip
+    ps.initialize({"w": np.zeros(3)})
+    with pytest.raises(accumulator.DeadlineExceededError):
+        ps.step(LR, timeout=1.5)  # blocked in a take for longer than the lease
+    other = ParameterServer("renew", replicas_to_aggregate=1, client=target.client())
+    with pytest.raises(ChiefConflictError):
+        other.initialize({"w": np.zeros(3)})
+    other.close()
+    ps.close()
+
+
+# -- pushes: checked before applied -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        ({"b": np.zeros(3)}, r"'b'.*Shape mismatch"),
+        ({"b": np.array([1j, 2j])}, r"'b'.*Cannot convert"),
+        ({"emb": ([0, 6], np.ones((2, 2)))}, r"'emb'.*exceeded limits"),
+        ({"emb": ([-1], np.ones((1, 2)))}, r"'emb'.*negative"),
+        ({"emb": ([0], np.ones((1, 3)))}, r"'emb'.*values dim 1"),
+        ({"emb": ([0, 1], np.ones((1, 2)))}, r"'emb'.*non-empty input values"),
+        ({"w": np.ones((3, 2))}, r"'w'.*Shape mismatch"),
+    ],
+    ids=["dense-shape", "dense-dtype", "sparse-range", "sparse-negative", "sparse-dims",
+         "sparse-count", "first-dense"],  # fmt: skip
+)
+def test_a_push_with_one_bad_tensor_applies_nothing(target, bad, match):
+    ps = ParameterServer("bad", replicas_to_aggregate=1, sparse={"emb"}, client=target.client())
+    ps.initialize(_params())
+    worker = Worker("bad", client=target.client(), worker_id="w0")
+    step, params = worker.pull(timeout=5)
+    grads = _grad(params, step, 0)
+    with pytest.raises(accumulator.InvalidArgumentError, match=match) as info:
+        worker.push(step, {**grads, **bad})
+    assert "nothing was applied" in str(info.value)
+    assert all(ps._accs[name].num_accumulated() == 0 for name in ("w", "emb", "b"))
+    assert ps.stats().pushes == 0
+    # the corrected push counts once: the step is exactly this one gradient
+    assert worker.push(step, grads) == {"w": True, "emb": True, "b": True}
+    assert ps.step(LR, timeout=5) == 1
+    _assert_params(ps.params, _update(_params(), [grads]))
+    worker.close()
+    ps.close()
+
+
+def test_a_push_that_fails_part_way_completes_on_retry(target, monkeypatch):
+    ps = ParameterServer("half", replicas_to_aggregate=1, sparse={"emb"}, client=target.client())
+    ps.initialize(_params())
+    worker = Worker("half", client=target.client(), worker_id="w0")
+    step, params = worker.pull(timeout=5)
+    grads = _grad(params, step, 0)
+    emb = worker._accs["emb"]
+    real_apply = emb.apply_grad
+
+    def unavailable(*args, **kwargs):
+        raise accumulator.UnavailableError("Redis unreachable for 30s (simulated)")
+
+    monkeypatch.setattr(emb, "apply_grad", unavailable)
+    with pytest.raises(accumulator.UnavailableError):
+        worker.push(step, grads)
+    assert [ps._accs[n].num_accumulated() for n in ("w", "emb", "b")] == [1, 0, 0]
+    monkeypatch.setattr(emb, "apply_grad", real_apply)
+    assert worker.push(step, grads) == {"w": True, "emb": True, "b": True}
+    assert [ps._accs[n].num_accumulated() for n in ("w", "emb", "b")] == [1, 1, 1]
+    assert ps.stats().pushes == 1 and worker.pushes == 1
+    ps.step(LR, timeout=5)
+    _assert_params(ps.params, _update(_params(), [grads]))
+    worker.close()
+    ps.close()
+
+
+# -- errors that say what is wrong ---------------------------------------------------------------
+
+
+def test_a_step_timeout_names_the_parameter(target):
+    ps = ParameterServer("slow", replicas_to_aggregate=2, sparse={"emb"}, client=target.client())
+    ps.initialize(_params())
+    dense = accumulator.ConditionalAccumulator(
+        np.float64, (2, 3), shared_name=accumulator_name("slow", "w"), client=target.client()
+    )
+    dense.apply_grad(np.ones((2, 3)), local_step=0)
+    dense.apply_grad(np.ones((2, 3)), local_step=0)
+    with pytest.raises(accumulator.DeadlineExceededError) as info:
+        ps.step(LR, timeout=0.3)
+    text = str(info.value)
+    assert "sync job 'slow', step 0: parameter 'emb' (sparse)" in text
+    assert "did not get 2 gradients within 0.3s" in text and "kept for the next step(): 'w'" in text
+    assert "accumulator 'slow/emb'" in text and "0 of 2 gradients at global step 0" in text
+    dense.close()
+    ps.close()
+
+
+# -- a chief that dies between its takes and its publish -----------------------------------------
+
+
+def _abandoned_claim(acc, n: int) -> None:
+    """What a chief SIGKILLed right after its take script claimed a round leaves behind:
+    the claim, under a short lease, never read or finished."""
+    acc.claim_lease = 0.3
+    try:
+        keys, args = acc._take_script_args(f"999999-{uuid.uuid4().hex[:12]}", n, 6000)
+        reply = _scripts.call(acc.redis, "take", keys, args)
+    finally:
+        acc.claim_lease = None
+    assert int(reply[0]) == 1, reply
+
+
+@pytest.mark.parametrize("big", [False, True], ids=["inline", "payload-keys"])
+@pytest.mark.parametrize(
+    "died",
+    [
+        "after-claiming-w",  # w claimed (not read), emb and b untouched: nothing lost
+        "after-reading-w-claiming-emb",  # w read (lost with the chief), emb claimed, b untouched
+        "after-claiming-all",  # every round claimed, none read: nothing lost
+    ],
+)
+def test_chief_killed_between_take_and_publish_exact_accounting(target, died, big):
+    job = f"handover-{died}"
+    client = target.client()
+    ps = ParameterServer(job, replicas_to_aggregate=2, sparse={"emb"}, client=client)
+    ps.initialize(_params(big))
+    workers = [Worker(job, client=target.client(), worker_id=f"w{k}") for k in range(2)]
+    step, params = workers[0].pull(timeout=5)
+    workers[1].pull(timeout=5)
+    grads = [_grad(params, step, k) for k in range(2)]
+    for k, w in enumerate(workers):
+        assert all(w.push(step, grads[k]).values())
+    # the dying chief: its takes, by hand, through the accumulators' own protocol
+    taken = ps._accs
+    if died == "after-claiming-w":
+        _abandoned_claim(taken["w"], 2)
+        lost: set[str] = set()
+    elif died == "after-reading-w-claiming-emb":
+        taken["w"].take_grad(2, timeout=5)  # read: these gradients die with the chief
+        _abandoned_claim(taken["emb"], 2)
+        lost = {"w"}
+    else:
+        for name in ("w", "emb", "b"):
+            _abandoned_claim(taken[name], 2)
+        lost = set()
+    ps.close()  # (its chief lease is released here; a SIGKILLed chief's runs out: see below)
+
+    chief = ParameterServer(job, replicas_to_aggregate=2, sparse={"emb"}, client=target.client())
+    assert chief.initialize(_params(big)) == 0  # the step it died in is completed
+    assert chief.global_step == 0
+    for acc in chief._accs.values():
+        acc.wait_slice = 0.1  # re-check soon after the dead claim's 0.3 s lease ran out
+    # workers waiting for step 1 meanwhile; a backup's push at step 0 may still arrive
+    assert chief.step(LR, timeout=20) == 1
+    expected = _update(_params(big), grads, skip=lost)
+    _assert_params(chief.params, expected)
+    assert _steps(target, job) == {"w": 1, "emb": 1, "b": 1}  # agree with the published step
+    # and the job goes on in lockstep: the next step takes fresh gradients at step 1
+    for w in workers:
+        assert w.pull(after=0, timeout=5)[0] == 1
+    grads = [_grad(expected, 1, k) for k in range(2)]
+    for k, w in enumerate(workers):
+        assert all(w.push(1, grads[k]).values())
+    assert chief.step(LR, timeout=20, final=True) == 2
+    _assert_params(chief.params, _update(expected, grads))
+    assert _steps(target, job) == {"w": 2, "emb": 2, "b": 2}
+    for name in ("w", "emb", "b"):
+        info = accumulator._admin.describe(target.redis(), accumulator_name(job, name))
+        assert info.count == 0 and info.claims == () and info.takers_waiting == 0
+    chief.delete()
+    assert list(target.redis().scan_iter()) == []
+    for w in workers:
+        w.close()
+    chief.close()
+
+
+def test_chief_restart_after_every_round_was_read_skips_the_step(target):
+    client = target.client()
+    ps = ParameterServer("skip", replicas_to_aggregate=1, sparse={"emb"}, client=client)
+    ps.initialize(_params())
+    worker = Worker("skip", client=target.client(), worker_id="w0")
+    step, params = worker.pull(timeout=5)
+    worker.push(step, _grad(params, step, 0))
+    for acc in ps._accs.values():
+        acc.take_grad(1, timeout=5)  # every round read; the chief dies before publishing
+    ps.close()
+    chief = ParameterServer("skip", replicas_to_aggregate=1, sparse={"emb"},
+                            client=target.client())  # fmt: skip
+    assert chief.initialize(_params()) == 1  # skipped: parameters republished unchanged
+    _assert_params(chief.params, _params())
+    assert _steps(target, "skip") == {"w": 1, "emb": 1, "b": 1}
+    step, params = worker.pull(after=0, timeout=5)
+    assert step == 1
+    worker.push(step, _grad(params, step, 0))
+    assert chief.step(LR, timeout=5) == 2
+    _assert_params(chief.params, _update(_params(), [_grad(_params(), 1, 0)]))
+    worker.close()
+    chief.close()
+
+
+# -- the same with a real chief process, SIGKILLed mid-take (slow) --------------------------------
+
+
+def _chief_that_dies(url: str, job: str, kill_after_claims: int, marker: str) -> None:
+    """A chief process that stops for good right after its take script's
+    ``kill_after_claims``-th claim (before reading it), so that the parent can SIGKILL it
+    there. Its claim lease and chief lease are short, so that the restart is quick."""
+    original = _scripts.call
+    claims = 0
+
+    def call(client, script, *args, **kwargs):
+        nonlocal claims
+        reply = original(client, script, *args, **kwargs)
+        if script == "take" and int(reply[0]) == 1:
+            claims += 1
+            if claims == kill_after_claims:
+                Path(marker).write_text(f"{os.getpid()}\n")
+                time.sleep(3600)
+        return reply
+
+    _scripts.call = call
+    ps = ParameterServer(job, replicas_to_aggregate=2, sparse={"emb"}, client=url,
+                         chief_lease=1.0)  # fmt: skip
+    ps.initialize(_params(big=True))
+    for acc in ps._accs.values():
+        acc.claim_lease = 0.5
+    Path(marker + ".ready").write_text("")
+    while True:
+        ps.step(LR, timeout=120)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kill_after_claims", [1, 2, 3, 5])
+def test_chief_process_sigkilled_mid_step_restarts_exactly(real, tmp_path, kill_after_claims):
+    """Claims 1-3 are step 0's (w, emb, b), claim 5 is step 1's emb: the chief dies with w's
+    round of that step read (lost) and emb's claimed (handed over)."""
+    job = f"sigkill-{kill_after_claims}"
+    marker = str(tmp_path / "claimed")
+    proc = mp.get_context("spawn").Process(
+        target=_chief_that_dies, args=(real.url, job, kill_after_claims, marker), daemon=True
+    )
+    proc.start()
+    workers = []
+    try:
+        deadline = time.monotonic() + 60
+        while not Path(marker + ".ready").exists():
+            assert time.monotonic() < deadline and proc.is_alive(), "chief did not start"
+            time.sleep(0.02)
+        workers = [Worker(job, client=real.url, worker_id=f"w{k}") for k in range(2)]
+        params = _params(big=True)
+        expected = params
+        step = 0
+        while True:
+            for w in workers:
+                assert w.pull(timeout=30)[0] == step
+            grads = [_grad(expected, step, k) for k in range(2)]
+            for k, w in enumerate(workers):
+                assert all(w.push(step, grads[k]).values())
+            if Path(marker).exists() or (kill_after_claims <= 3 * (step + 1)):
+                break
+            expected = _update(expected, grads)
+            step += 1
+            while workers[0].pull(timeout=30)[0] != step:
+                pass
+        deadline = time.monotonic() + 60
+        while not Path(marker).exists():
+            assert time.monotonic() < deadline, "the chief never claimed"
+            time.sleep(0.02)
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(10)
+    # claims of this step before the fatal one were read (lost); the fatal one is handed over
+    lost_at = set(("w", "emb", "b")[: kill_after_claims - 3 * step - 1])
+
+    chief = ParameterServer(job, replicas_to_aggregate=2, sparse={"emb"}, client=real.url)
+    t0 = time.monotonic()
+    assert chief.initialize(_params(big=True), wait_for_chief=10) == step
+    assert chief.step(LR, timeout=30) == step + 1
+    assert time.monotonic() - t0 < 10  # its chief lease (1 s) and claim lease (0.5 s) ran out
+    expected = _update(expected, grads, skip=lost_at)
+    _assert_params(chief.params, expected)
+    assert _steps(real, job) == {"w": step + 1, "emb": step + 1, "b": step + 1}
+    # two more steps in lockstep, then nothing is left behind
+    for s in (step + 1, step + 2):
+        grads = [_grad(expected, s, k) for k in range(2)]
+        for k, w in enumerate(workers):
+            assert w.pull(after=s - 1, timeout=30)[0] == s
+            assert all(w.push(s, grads[k]).values())
+        chief.step(LR, timeout=30, final=s == step + 2)
+        expected = _update(expected, grads)
+    _assert_params(chief.params, expected)
+    stats = chief.stats()
+    assert stats.stale == 0 and stats.pushes == 2 * (step + 3)
+    chief.delete()
+    assert list(real.redis().scan_iter()) == []
+    for w in workers:
+        w.close()
+    chief.close()
