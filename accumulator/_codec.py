@@ -138,7 +138,7 @@ def to_payload(arr: np.ndarray) -> memoryview:
     The cast to bytes matters: redis-py's Python packer sends ``len(view)``, which is the
     element count for a typed view (a silently truncated value).
     """
-    return memoryview(arr.reshape(-1).view(np.uint8))
+    return arr.reshape(-1).view(np.uint8).data
 
 
 def from_payload(data: bytes | memoryview, dtype: np.dtype, shape: Sequence[int]) -> np.ndarray:

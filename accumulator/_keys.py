@@ -188,8 +188,18 @@ class SyncKeys:
                                         (msgpack: parameter specs, reduction, replicas) and
                                         ``v:<param>`` (raw little-endian bytes, C order)
     ``accsync:{tag}:st``        hash     push counters: ``pushes``, ``partial``, ``stale``
-                                        and per worker ``w:<id>:pushes|partial|stale``
+                                        and per worker ``w:<id>:pushes|partial|stale``,
+                                        ``w:<id>:seen_ms`` (server time of its last push) and
+                                        ``w:<id>:push`` (id of its last counted push: a
+                                        retried count is counted once); written by
+                                        ``lua/sync_count.lua``
     ``accsync:{tag}:ch``        channel  pub/sub: ``"<step>"`` after every publish
+    ``accsync:{tag}:chief``     hash     the chief lease (one chief per job): ``id``,
+                                        ``host``, ``pid``, ``since_ms``, ``renewed_ms``,
+                                        ``expires_ms`` (server time); kept an hour past its
+                                        expiry (``accumulator job`` shows a dead chief);
+                                        written by ``lua/sync_lease.lua``; the name is
+                                        :func:`accumulator.sync.chief_key`
     =========================  =======  ======================================================
     """
 

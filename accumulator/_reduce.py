@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import cache
+from typing import Any, cast
 
 import ml_dtypes
 import numpy as np
@@ -62,7 +63,11 @@ def _check_dtype(dtype: np.dtype) -> np.dtype:
 # float32/float64 input counts as zero and a subnormal result becomes (signed) zero. numpy
 # keeps IEEE subnormals, so for these two dtypes we emulate the mode. float16 is computed
 # through float32 in both TF and numpy, so its subnormals survive in both.
-_FTZ_DTYPES = {np.dtype(np.float32): np.uint32, np.dtype(np.float64): np.uint64}
+_UInt = np.unsignedinteger[Any]
+_FTZ_DTYPES: dict[np.dtype, type[_UInt]] = {
+    np.dtype(np.float32): np.uint32,
+    np.dtype(np.float64): np.uint64,
+}
 
 
 def _ftz(dtype: np.dtype) -> bool:
@@ -72,7 +77,7 @@ def _ftz(dtype: np.dtype) -> bool:
 # Bit tests, not float comparisons: under denormals-are-zero (which a library like TF may
 # have switched on in this very thread) a subnormal compares equal to zero.
 @cache
-def _ftz_consts(dtype: np.dtype) -> tuple[type, np.generic, np.generic, np.generic]:
+def _ftz_consts(dtype: np.dtype) -> tuple[type[_UInt], _UInt, _UInt, _UInt]:
     """(unsigned view type, magnitude mask, bits of tiny, bits of the 'small' bound).
 
     If no input has a nonzero magnitude below tiny * 2**(nmant + 1), every partial sum is a
@@ -82,8 +87,9 @@ def _ftz_consts(dtype: np.dtype) -> tuple[type, np.generic, np.generic, np.gener
     utype = _FTZ_DTYPES[dtype]
     info = np.finfo(dtype)
     mask = ~(utype(1) << utype(8 * dtype.itemsize - 1))
-    tiny = np.array(info.tiny, dtype).view(utype)[()]
-    small = np.array(info.tiny * 2.0 ** (info.nmant + 1), dtype).view(utype)[()]
+    # 0-d indexing gives numpy scalars (typed as arrays by numpy's stubs)
+    tiny = cast(_UInt, np.array(info.tiny, dtype).view(utype)[()])
+    small = cast(_UInt, np.array(info.tiny * 2.0 ** (info.nmant + 1), dtype).view(utype)[()])
     return utype, mask, tiny, small
 
 

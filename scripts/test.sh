@@ -3,7 +3,7 @@
 #
 # From a fresh clone: creates/reuses .venv, installs '.[test,demo,hiredis]' (only when
 # pyproject.toml changed), makes sure a redis-server binary exists for the real-backend tests
-# (unless REDIS_URL points at a server to use), then runs ruff and pytest.
+# (unless REDIS_URL points at a server to use), then runs ruff, mypy and pytest.
 # Knobs: see scripts/_env.sh.
 set -euo pipefail
 
@@ -17,6 +17,9 @@ acc_ensure_redis
 
 acc_log "ruff check accumulator tests scripts"
 ruff check --quiet accumulator tests scripts
+
+acc_log "mypy accumulator"
+mypy accumulator
 
 acc_log "python -m pytest $*"
 exec python -m pytest "$@"

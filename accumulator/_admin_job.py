@@ -1,0 +1,291 @@
+"""Inspecting and deleting sync jobs (:mod:`accumulator.sync`) for ``accumulator job NAME``:
+the published step, the chief lease, each worker's push counters and each parameter's
+accumulator, with warnings where they disagree. Also the key of the chief lease
+(:func:`chief_lease_key`) and the parsing of the workers' counters, which the sync helper
+uses itself."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any, cast
+
+import msgpack
+import redis
+
+from ._admin_info import _int, _server_ms, _text
+from ._admin_ops import delete
+from ._errors import InvalidArgumentError, NotFoundError
+from ._keys import DEFAULT_PREFIX, SYNC_PREFIX, Keys, SyncKeys
+
+
+def chief_lease_key(keys: SyncKeys) -> str:
+    """The key of a sync job's chief lease: ``accsync:{tag}:chief`` (a hash: ``id``,
+    ``host``, ``pid``, ``since_ms``, ``renewed_ms``, ``expires_ms``)."""
+    return keys.base + ":chief"
+
+
+@dataclass(frozen=True)
+class JobWorker:
+    """One worker's push counters in a sync job (as ``Worker.push`` counts them)."""
+
+    worker_id: str
+    pushes: int
+    partial: int  # some tensors accepted, some dropped as stale
+    stale: int  # every tensor dropped as stale
+    last_seen_ms: int | None  # server time of its last push (None: counted by an old version)
+
+    @property
+    def accepted(self) -> int:
+        return self.pushes - self.partial - self.stale
+
+
+def parse_worker_counters(counters: Mapping[bytes, bytes]) -> list[JobWorker]:
+    """The per-worker entries (``w:<id>:pushes|partial|stale|seen_ms``) of a sync job's stats
+    hash, sorted by worker id."""
+    workers: dict[str, dict[str, int]] = {}
+    for key, value in counters.items():
+        parts = _text(key).split(":")
+        if parts[0] != "w" or len(parts) < 3:
+            continue
+        what = parts[-1]
+        if what not in ("pushes", "partial", "stale", "seen_ms"):
+            continue  # e.g. "push": the id of its last push (retry dedup)
+        number = _int(value, None)
+        if number is not None:
+            workers.setdefault(":".join(parts[1:-1]), {})[what] = number
+    return [
+        JobWorker(wid, c.get("pushes", 0), c.get("partial", 0), c.get("stale", 0),
+                  c.get("seen_ms"))  # fmt: skip
+        for wid, c in sorted(workers.items())
+    ]
+
+
+@dataclass(frozen=True)
+class ChiefLease:
+    """The chief lease of a sync job (times in ms, server clock)."""
+
+    chief_id: str
+    host: str
+    pid: int | None
+    since_ms: int | None
+    renewed_ms: int | None
+    expires_ms: int | None
+    remaining_ms: int | None  # negative: ran out (the chief is gone); None: no server time
+
+    @property
+    def live(self) -> bool:
+        return self.remaining_ms is not None and self.remaining_ms > 0
+
+
+@dataclass(frozen=True)
+class JobParam:
+    """One parameter of a sync job and its accumulator."""
+
+    name: str
+    shared_name: str
+    kind: str
+    dtype: str
+    shape: tuple[int, ...] | None
+    step: int | None  # the accumulator's global step; None: the accumulator is missing
+    pending: int  # gradients in its pending round
+    takers_waiting: int
+    claimed: int  # rounds claimed by a take and not read yet (a dead taker's: handed over)
+
+
+@dataclass(frozen=True)
+class JobInfo:
+    """A snapshot of a sync job: what ``accumulator job NAME`` shows."""
+
+    container: str
+    job: str
+    published: bool  # the chief published parameters (False: counters only)
+    run: str | None
+    step: int | None  # the published step
+    done: bool
+    replicas: int | None
+    reduction: str | None
+    pushes: int
+    partial: int
+    stale: int
+    workers: tuple[JobWorker, ...]
+    params: tuple[JobParam, ...]
+    chief: ChiefLease | None
+    now_ms: int | None
+    warnings: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
+    meta_error: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready."""
+        out = asdict(self)
+        out["workers"] = [{**asdict(w), "accepted": w.accepted} for w in self.workers]
+        out["params"] = [{**asdict(p), "shape": None if p.shape is None else list(p.shape)}
+                         for p in self.params]  # fmt: skip
+        if self.chief is not None:
+            out["chief"] = {**asdict(self.chief), "live": self.chief.live}
+        out["warnings"], out["notes"] = list(self.warnings), list(self.notes)
+        return out
+
+
+def _job_specs(meta: bytes | None) -> tuple[list[tuple[str, str, str, tuple[int, ...] | None]],
+                                            int | None, str | None, str | None]:  # fmt: skip
+    """(params [(name, kind, dtype, shape)], replicas, reduction, error) from the msgpack
+    metadata a chief publishes; tolerant of what it cannot read."""
+    if meta is None:
+        return [], None, None, None
+    try:
+        raw = msgpack.unpackb(meta, raw=False)
+        specs = []
+        for name, kind, dtype, shape in raw["params"]:
+            dims = None if shape is None else tuple(int(d) for d in shape)
+            specs.append((str(name), str(kind), str(dtype), dims))
+        return specs, _int(raw.get("replicas"), None), str(raw.get("reduction")), None
+    except Exception as exc:  # noqa: BLE001 - show what can be shown, keep the reason
+        return [], None, None, f"unreadable job metadata: {exc}"
+
+
+def _chief(raw: Mapping[bytes, bytes], now: int | None) -> ChiefLease | None:
+    if not raw or raw.get(b"id") is None:
+        return None
+    expires = _int(raw.get(b"expires_ms"), None)
+    return ChiefLease(
+        chief_id=_text(raw.get(b"id")), host=_text(raw.get(b"host")),
+        pid=_int(raw.get(b"pid"), None), since_ms=_int(raw.get(b"since_ms"), None),
+        renewed_ms=_int(raw.get(b"renewed_ms"), None), expires_ms=expires,
+        remaining_ms=None if now is None or expires is None else expires - now,
+    )  # fmt: skip
+
+
+def describe_job(
+    r: redis.Redis,
+    job: str,
+    container: str = "",
+    *,
+    prefix: str = DEFAULT_PREFIX,
+    sync_prefix: str = SYNC_PREFIX,
+) -> JobInfo:
+    """Everything about one sync job (``accumulator.sync``): the published step and done
+    flag, the chief lease, each worker's counters and each parameter's accumulator, plus
+    warnings when they disagree. Two pipelined round trips; raises :class:`NotFoundError`
+    when the job has no keys."""
+    keys = SyncKeys(container, job, sync_prefix)
+    pipe = r.pipeline(transaction=False)
+    pipe.time()
+    pipe.hmget(keys.params, ["run", "step", "done", "meta"])
+    pipe.hgetall(keys.stats)
+    pipe.hgetall(chief_lease_key(keys))
+    now_reply, (run, step, done, meta), counters, lease = pipe.execute()
+    if run is None and step is None and not counters and not lease:
+        where = f" in container {container!r}" if container else ""
+        raise NotFoundError(f"no sync job named {job!r}{where}")
+    now = _server_ms(now_reply)
+    specs, replicas, reduction, meta_error = _job_specs(meta)
+    pipe = r.pipeline(transaction=False)
+    for name, *_ in specs:
+        acc = Keys(container, f"{job}/{name}", prefix)
+        pipe.hmget(acc.state, ["schema", "step", "count"])
+        pipe.zcard(acc.takers)
+        pipe.hgetall(acc.claims)
+    replies = pipe.execute() if specs else []
+    params = []
+    for i, (name, kind, dtype, shape) in enumerate(specs):
+        (schema, acc_step, count), waiting, registry = replies[3 * i : 3 * i + 3]
+        claimed = sum(1 for v in registry.values() if v != b"done")
+        params.append(JobParam(
+            name=name, shared_name=f"{job}/{name}", kind=kind, dtype=dtype, shape=shape,
+            step=None if schema is None else _int(acc_step) or 0, pending=_int(count) or 0,
+            takers_waiting=int(waiting or 0), claimed=claimed,
+        ))  # fmt: skip
+    chief = _chief(lease, now)
+    published = _int(step, None)
+    info = JobInfo(
+        container=container, job=job, published=meta is not None, run=_text(run) or None,
+        step=published, done=done == b"1", replicas=replicas, reduction=reduction,
+        pushes=_int(counters.get(b"pushes")) or 0, partial=_int(counters.get(b"partial")) or 0,
+        stale=_int(counters.get(b"stale")) or 0,
+        workers=tuple(parse_worker_counters(counters)), params=tuple(params), chief=chief,
+        now_ms=now, meta_error=meta_error,
+    )  # fmt: skip
+    warnings, notes = _job_findings(info)
+    return JobInfo(**{**info.__dict__, "warnings": tuple(warnings), "notes": tuple(notes)})
+
+
+def _job_findings(info: JobInfo) -> tuple[list[str], list[str]]:
+    """Where the published step and the accumulators disagree, and what that means."""
+    warnings: list[str] = []
+    notes: list[str] = []
+    live = info.chief is not None and info.chief.live
+    if info.meta_error:
+        warnings.append(info.meta_error)
+    if not info.published:
+        notes.append("no parameters published (counters only: a job deleted or not initialized)")
+    for p in info.params:
+        what = f"accumulator {p.shared_name!r}"
+        if p.step is None:
+            warnings.append(f"{what} is missing (deleted, or lost by a server restart without "
+                            "persistence)")  # fmt: skip
+            continue
+        if info.step is None:
+            continue
+        handed = (f"; {p.claimed} claimed round(s) not read yet: the next take gets them"
+                  if p.claimed else "")  # fmt: skip
+        if p.step > info.step:
+            if live and p.step == info.step + 1 and not info.done:
+                notes.append(f"{what} at step {p.step}, published step {info.step}: the chief "
+                             f"is in the middle of a step{handed}")  # fmt: skip
+            else:
+                warnings.append(
+                    f"{what} at step {p.step}, ahead of the published step {info.step}: a chief "
+                    f"crashed between its take and its publish{handed}; a restarted chief "
+                    "(initialize()) completes the step"
+                )
+        elif p.step < info.step:
+            warnings.append(
+                f"{what} at step {p.step}, behind the published step {info.step}: every push "
+                "is accepted for an old round (set by hand? lost by a restart?); a restarted "
+                "chief realigns it"
+            )
+        if info.done and p.pending:
+            notes.append(f"{what}: {p.pending} gradient(s) pending in a finished job")
+    if info.published and not info.done:
+        if info.chief is None:
+            notes.append("no chief lease: no chief is running (or one of an older version)")
+        elif not live:
+            warnings.append(f"the chief {info.chief.chief_id!r} stopped renewing its lease "
+                            "(crashed?); a new chief may take over")  # fmt: skip
+    return warnings, notes
+
+
+def delete_job(
+    r: redis.Redis,
+    job: str,
+    container: str = "",
+    *,
+    force: bool = False,
+    prefix: str = DEFAULT_PREFIX,
+    sync_prefix: str = SYNC_PREFIX,
+) -> int:
+    """Delete every key of a sync job: its parameters, counters, chief lease and the
+    accumulators of its parameters. Refuses (:class:`InvalidArgumentError`) a job that is
+    not finished unless ``force``. Returns the number of keys deleted; raises
+    :class:`NotFoundError` when there was none."""
+    keys = SyncKeys(container, job, sync_prefix)
+    step, done, meta = cast("list[Any]", r.hmget(keys.params, ["step", "done", "meta"]))
+    if not force and step is not None and done != b"1":
+        raise InvalidArgumentError(
+            f"sync job {job!r} is not finished (published step {_int(step)}); pass force to "
+            "delete it anyway"
+        )
+    specs, *_ = _job_specs(meta)
+    removed = 0
+    for name, *_ in specs:
+        try:
+            removed += delete(r, f"{job}/{name}", container, prefix=prefix)
+        except NotFoundError:
+            continue
+    removed += int(r.unlink(keys.params, keys.stats, chief_lease_key(keys)))
+    if removed == 0:
+        where = f" in container {container!r}" if container else ""
+        raise NotFoundError(f"no sync job named {job!r}{where}")
+    return removed

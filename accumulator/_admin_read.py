@@ -1,0 +1,295 @@
+"""Reading accumulators for the CLI: listing them, describing one (takers, claims left behind,
+stray keys, memory), the server's INFO. Pure functions over a ``redis.Redis`` that returns
+bytes; keys are found with SCAN (never KEYS); reads are snapshots."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+import redis
+from redis.exceptions import ResponseError
+
+from ._admin_info import Info, LeftClaim, Unreadable, _info, _int, _server_ms, _takers, _text
+from ._errors import NotFoundError
+from ._keys import DEFAULT_PREFIX, Keys, parse_state_key, state_pattern
+
+logger = logging.getLogger("accumulator._admin")
+
+_SCAN_COUNT = 1000
+
+
+def _scan(r: redis.Redis, pattern: str) -> set[bytes]:
+    return set(r.scan_iter(match=pattern, count=_SCAN_COUNT))
+
+
+def _key_bytes(key: str) -> bytes:
+    return key.encode("utf-8")
+
+
+def _not_found(shared_name: str, container: str) -> NotFoundError:
+    where = f" in container {container!r}" if container else ""
+    return NotFoundError(f"no accumulator named {shared_name!r}{where}")
+
+
+#: What list_accumulators reads from each key, for the message when a key holds another type.
+_LISTED_TYPES = {"state": "hash", "takers": "sorted set"}
+_TYPE_NAMES = {"zset": "sorted set", "none": "nothing (removed meanwhile)"}
+
+
+def _wrong_type(reply: Any) -> bool:
+    return isinstance(reply, ResponseError) and str(reply).startswith("WRONGTYPE")
+
+
+def _unreadable(
+    r: redis.Redis, container: str, name: str, wrong: list[tuple[str, str]], now: int | None
+) -> Unreadable:
+    notes = []
+    for key, wanted in wrong:
+        try:
+            held = _text(r.type(key))
+        except redis.RedisError:
+            held = "?"
+        notes.append(f"{key} holds a {_TYPE_NAMES.get(held, held)} where a {wanted} belongs")
+    error = "; ".join(notes) + " (a key written by another program?)"
+    logger.info("list_accumulators: %s", error)
+    return Unreadable(
+        container=container, shared_name=name, kind="?", dtype="?", shape=None, reduction="?",
+        schema="", step=0, count=0, round_shape=None, bytes=0, gen=0, takers_waiting=0,
+        private=False, created_ms=None, now_ms=now, error=error,
+    )  # fmt: skip
+
+
+def list_accumulators(
+    r: redis.Redis, container: str | None = None, *, prefix: str = DEFAULT_PREFIX
+) -> list[Info]:
+    """Every accumulator (of one container, if given), sorted by container and name.
+
+    One SCAN over the state keys, then one pipelined round trip: HGETALL of each state and
+    ZCARD of each takers zset. Lifetime statistics are included; takers and claims are not.
+
+    A foreign key under the prefix does not make the listing fail: an entry whose state or
+    takers key has the wrong type (WRONGTYPE) is listed as an :class:`Unreadable` (an
+    :class:`Info` whose ``error`` says why), in its sorted place. Other errors raise.
+    """
+    found: list[tuple[str, str, Keys]] = []
+    for raw in _scan(r, state_pattern(container, prefix)):
+        try:
+            key = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            logger.debug("skipping a state key that is not UTF-8: %r", raw)
+            continue
+        parsed = parse_state_key(key, prefix)
+        if parsed is None or (container is not None and parsed[0] != container):
+            continue
+        keys = Keys(parsed[0], parsed[1], prefix)
+        if keys.state != key:  # an escaping this version would not produce
+            logger.debug("skipping %r: not a key this library names", key)
+            continue
+        found.append((parsed[0], parsed[1], keys))
+    found.sort(key=lambda item: (item[0], item[1]))
+    if not found:
+        return []
+    pipe = r.pipeline(transaction=False)
+    pipe.time()
+    for _, _, keys in found:
+        pipe.hgetall(keys.state)
+        pipe.zcard(keys.takers)
+    replies = pipe.execute(raise_on_error=False)
+    for reply in replies:
+        if isinstance(reply, Exception) and not _wrong_type(reply):
+            raise reply
+    now = _server_ms(replies[0])
+    out: list[Info] = []
+    for i, (cont, name, keys) in enumerate(found):
+        state, waiting = replies[1 + 2 * i], replies[2 + 2 * i]
+        wrong = [
+            (key, _LISTED_TYPES[what])
+            for what, key, reply in (("state", keys.state, state), ("takers", keys.takers, waiting))
+            if _wrong_type(reply)
+        ]
+        if wrong:
+            out.append(_unreadable(r, cont, name, wrong, now))
+            continue
+        if not state:  # deleted between SCAN and HGETALL
+            continue
+        out.append(_info(cont, name, state, int(waiting or 0), now))
+    return out
+
+
+def _memory_usage(r: redis.Redis, keys: Iterable[bytes]) -> int | None:
+    """Sum of MEMORY USAGE over keys; None when the server refuses the command."""
+    names = list(keys)
+    if not names:
+        return 0
+    pipe = r.pipeline(transaction=False)
+    for key in names:
+        pipe.execute_command("MEMORY", "USAGE", key)
+    try:
+        replies = pipe.execute(raise_on_error=False)
+    except ResponseError as exc:
+        logger.debug("MEMORY USAGE unavailable: %s", exc)
+        return None
+    total = 0
+    for reply in replies:
+        if isinstance(reply, Exception):  # unknown command, NOPERM, ...
+            logger.debug("MEMORY USAGE unavailable: %s", reply)
+            return None
+        total += int(reply or 0)  # None: the key vanished meanwhile
+    return total
+
+
+def _left_claims(
+    r: redis.Redis, keys: Keys, claim_keys: list[bytes], claim_head: bytes
+) -> tuple[list[LeftClaim], int, set[bytes]]:
+    """The claims kept without expiry (left behind), the number of expiring ones (retry
+    buffers of finished takes), and the payload keys the kept ones refer to."""
+    if not claim_keys:
+        return [], 0, set()
+    pipe = r.pipeline(transaction=False)
+    for key in claim_keys:
+        pipe.pttl(key)
+    ttls = [int(t) if t is not None else -2 for t in pipe.execute()]
+    kept = [k for k, t in zip(claim_keys, ttls, strict=True) if t == -1]
+    buffers = sum(1 for t in ttls if t >= 0)
+    if not kept:
+        return [], buffers, set()
+    pipe = r.pipeline(transaction=False)
+    for key in kept:
+        pipe.lrange(key, 0, -1)
+    contents = pipe.execute()
+    # entries are untrusted: only this accumulator's own payload keys are looked at
+    blob_refs = [[e[1:] for e in c[1:] if e[:1] == b"k" and keys.is_blob(e[1:])] for c in contents]
+    all_blobs = [b for refs in blob_refs for b in refs]
+    sizes: dict[bytes, int] = {}
+    if all_blobs:
+        pipe = r.pipeline(transaction=False)
+        for blob in all_blobs:
+            pipe.exists(blob)
+            pipe.strlen(blob)
+        flat = pipe.execute()
+        sizes = {b: int(flat[2 * i + 1]) for i, b in enumerate(all_blobs) if flat[2 * i]}
+    claims: list[LeftClaim] = []
+    referenced: set[bytes] = set()
+    for key, content, refs in zip(kept, contents, blob_refs, strict=True):
+        if not content:  # read and deleted since the SCAN
+            continue
+        referenced.update(refs)
+        header = _text(content[0]).split(" ")
+        inline = sum(len(e) - 1 for e in content[1:] if e[:1] == b"i")
+        claims.append(
+            LeftClaim(
+                key=_text(key),
+                taker_id=_text(key[len(claim_head) :]),
+                step=_int(header[0], None),
+                count=len(content) - 1,
+                bytes=inline + sum(sizes.get(b, 0) for b in refs),
+                missing_blobs=sum(1 for b in refs if b not in sizes),
+            )
+        )
+    return claims, buffers, referenced
+
+
+def describe(
+    r: redis.Redis,
+    shared_name: str,
+    container: str = "",
+    *,
+    memory: bool = True,
+    prefix: str = DEFAULT_PREFIX,
+) -> Info:
+    """Everything about one accumulator: state, lifetime statistics, waiting takers, claims
+    left behind, stray keys and (``memory=True``, where the server allows) MEMORY USAGE.
+
+    Raises :class:`NotFoundError` when its state hash does not exist.
+    """
+    keys = Keys(container, shared_name, prefix)
+    pipe = r.pipeline(transaction=True)  # one consistent snapshot of the fixed keys
+    pipe.time()
+    pipe.hgetall(keys.state)
+    pipe.zrange(keys.takers, 0, -1, withscores=True)
+    pipe.hgetall(keys.taker_info)
+    pipe.lrange(keys.grads, 0, -1)
+    pipe.llen(keys.quarantine)
+    now_reply, state, ranked, taker_info, entries, quarantined = pipe.execute()
+    if not state:
+        raise _not_found(shared_name, container)
+    now = _server_ms(now_reply)
+
+    fixed = {
+        _key_bytes(k)
+        for k in (
+            keys.state, keys.grads, keys.takers, keys.taker_info, keys.wake, keys.queue_wake,
+            keys.quarantine, keys.claims,
+        )
+    }  # fmt: skip
+    claim_head = _key_bytes(keys.claim(""))
+    dedup_head = _key_bytes(keys.dedup(""))
+    found = _scan(r, keys.pattern) | {_key_bytes(keys.state)}
+    found |= {
+        _key_bytes(k)
+        for k, there in (
+            (keys.grads, entries),
+            (keys.takers, ranked),
+            (keys.taker_info, taker_info),
+            (keys.quarantine, quarantined),
+        )
+        if there
+    }
+    claim_keys = sorted(k for k in found if k.startswith(claim_head))
+    referenced = {e[1:] for e in entries if e[:1] == b"k"}
+
+    claims, retry_buffers, in_claims = _left_claims(r, keys, claim_keys, claim_head)
+    referenced |= in_claims
+    stray = [
+        k
+        for k in found
+        if k not in fixed
+        and k not in referenced
+        and not k.startswith(claim_head)
+        and not k.startswith(dedup_head)
+    ]
+    if stray:
+        logger.debug("%d stray keys under %s", len(stray), keys.base)
+    return _info(
+        container,
+        shared_name,
+        state,
+        len(ranked),
+        now,
+        detailed=True,
+        takers=_takers(ranked, taker_info, now),
+        claims=tuple(claims),
+        retry_buffers=retry_buffers,
+        keys=len(found),
+        stray_keys=len(stray),
+        quarantined=int(quarantined or 0),
+        memory_bytes=_memory_usage(r, sorted(found)) if memory else None,
+    )
+
+
+def server_info(r: redis.Redis) -> dict[str, Any] | None:
+    """A few INFO fields (version, mode, memory), or None when INFO is not allowed."""
+    try:
+        info = r.info("server")
+        memory = r.info("memory")
+    except ResponseError as exc:
+        logger.debug("INFO unavailable: %s", exc)
+        return None
+    product = "valkey" if "valkey_version" in info else "redis"
+    return {
+        "server": product,
+        "version": str(info.get("valkey_version") or info.get("redis_version") or "?"),
+        "mode": info.get("redis_mode"),
+        "used_memory": memory.get("used_memory"),
+        "used_memory_human": memory.get("used_memory_human"),
+        "maxmemory": memory.get("maxmemory"),
+    }
+
+
+def containers_of(r: redis.Redis, shared_name: str, *, prefix: str = DEFAULT_PREFIX) -> list[str]:
+    """The containers holding an accumulator named ``shared_name`` (for a "did you mean
+    --container ...?" hint), sorted."""
+    infos = list_accumulators(r, None, prefix=prefix)
+    return sorted({i.container for i in infos if i.shared_name == shared_name})

@@ -1,0 +1,309 @@
+"""The ``accumulator`` commands, one decorated function each (registered in
+:data:`~accumulator._cli_context.COMMANDS` on import, in ``--help`` order): ``ls``, ``show``,
+``watch``, ``set-step``, ``reset``, ``delete``, ``reset-container``, ``job`` and ``demo``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from . import _admin
+from ._cli_context import EXIT_OK, EXIT_USAGE, CliError, Context, arg, command, esc
+from ._cli_render import (
+    _unreadable,
+    _where,
+    fmt_bytes,
+    plural,
+    render_job,
+    render_ls,
+    render_show,
+)
+from ._errors import NotFoundError
+from ._redact import redact_url
+
+
+@command("ls", "list accumulators (all containers unless --container is given)")
+def _ls(ctx: Context, args: argparse.Namespace) -> int:
+    r = ctx.connect()
+    infos = _admin.list_accumulators(r, ctx.container)
+    server = _admin.server_info(r)
+    if ctx.json:
+        ctx.dump(
+            {
+                "url": redact_url(ctx.url),
+                "container": ctx.container,
+                "server": server,
+                "accumulators": [{**i.to_dict(), "error": _unreadable(i)} for i in infos],
+            }
+        )
+    else:
+        with_container = ctx.container is None and any(i.container for i in infos)
+        ctx.write("\n".join(render_ls(infos, server, with_container)))
+    return EXIT_OK
+
+
+@command("show", "everything about one accumulator", arg("name", help="its shared_name"))
+def _show(ctx: Context, args: argparse.Namespace) -> int:
+    info = _admin.describe(ctx.connect(), args.name, ctx.scope)
+    if ctx.json:
+        ctx.dump(info.to_dict())
+    else:
+        ctx.write("\n".join(render_show(info)))
+    return EXIT_OK
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from exc
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from exc
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+    return value
+
+
+@command(
+    "watch",
+    "live view of one accumulator (Ctrl-C to quit)",
+    arg("name", help="its shared_name"),
+    arg(
+        "-i",
+        "--interval",
+        type=_positive_float,
+        default=1.0,
+        metavar="S",
+        help="seconds between refreshes (default 1)",
+    ),
+    arg(
+        "-n",
+        "--count",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="stop after N refreshes (default: until Ctrl-C)",
+    ),
+)
+def _watch(ctx: Context, args: argparse.Namespace) -> int:
+    r = ctx.connect()
+    tty = ctx.out.isatty() and not ctx.json
+    prev: _admin.Info | None = None
+    shown = 0
+    try:
+        if tty:
+            ctx.out.write("\x1b[2J")
+        while True:
+            info = _admin.describe(r, args.name, ctx.scope)
+            if ctx.json:  # one JSON document per line
+                ctx.write(json.dumps(info.to_dict()))
+            else:
+                header = (
+                    f"every {args.interval:g}s · {ctx.shown_url} · "
+                    f"{time.strftime('%H:%M:%S')}" + ("  (Ctrl-C to quit)" if tty else "")
+                )
+                lines = [header, "", *render_show(info, prev)]
+                if tty:  # home, overwrite each line, clear what the last frame left below
+                    ctx.out.write("\x1b[H" + "".join(x + "\x1b[K\n" for x in lines) + "\x1b[J")
+                    ctx.out.flush()
+                else:
+                    ctx.write("\n".join(lines) + "\n")
+            prev = info
+            shown += 1
+            if args.count is not None and shown >= args.count:
+                return EXIT_OK
+            time.sleep(args.interval)
+    except KeyboardInterrupt:
+        return EXIT_OK
+
+
+@command(
+    "set-step",
+    "set the global step (also downwards); the pending round is kept; asks first when the "
+    "accumulator is live (pending gradients or waiting takers)",
+    arg("name", help="its shared_name"),
+    arg("step", type=int, metavar="N", help="the new global step"),
+    destructive=True,
+)
+def _set_step(ctx: Context, args: argparse.Namespace) -> int:
+    r = ctx.connect()
+    info = _admin.describe(r, args.name, ctx.scope, memory=False)
+    if info.count or info.takers_waiting:
+        live = (
+            f"{plural(info.count, 'pending gradient')} at step {info.step}, "
+            f"{plural(info.takers_waiting, 'waiting taker')}"
+        )
+        ctx.confirm(
+            f"{_where(args.name, ctx.scope)} is live: {live}. Set its global step "
+            f"{info.step} -> {args.step}? (a chief and its workers disagree on the step then)",
+            args.yes,
+            f"set the step of live accumulator {esc(args.name, quote=True)} ({live})",
+        )
+    old = _admin.set_step(r, args.name, args.step, ctx.scope)
+    if ctx.json:
+        ctx.dump(
+            {"container": ctx.scope, "name": args.name, "previous_step": old, "step": args.step}
+        )
+    else:
+        ctx.write(f"global step of {_where(args.name, ctx.scope)}: {old} -> {args.step}")
+    return EXIT_OK
+
+
+@command(
+    "reset",
+    "drop the pending gradients (the step is kept)",
+    arg("name", help="its shared_name"),
+    destructive=True,
+)
+def _reset(ctx: Context, args: argparse.Namespace) -> int:
+    r = ctx.connect()
+    info = _admin.describe(r, args.name, ctx.scope, memory=False)
+    ctx.confirm(
+        f"Drop the {plural(info.count, 'pending gradient')} "
+        f"({fmt_bytes(info.bytes)}) of {_where(args.name, ctx.scope)}?",
+        args.yes,
+        f"reset {esc(args.name, quote=True)}",
+    )
+    dropped = _admin.reset(r, args.name, ctx.scope)
+    if ctx.json:
+        ctx.dump({"container": ctx.scope, "name": args.name, "dropped": dropped})
+    else:
+        ctx.write(
+            f"reset {_where(args.name, ctx.scope)}: dropped {plural(dropped, 'pending gradient')}"
+        )
+    return EXIT_OK
+
+
+@command(
+    "delete",
+    "delete an accumulator and every key it has",
+    arg("name", help="its shared_name"),
+    destructive=True,
+)
+def _delete(ctx: Context, args: argparse.Namespace) -> int:
+    r = ctx.connect()
+    try:
+        info = _admin.describe(r, args.name, ctx.scope, memory=False)
+        detail = (
+            f" (step {info.step}, {plural(info.count, 'pending gradient')}, "
+            f"{plural(info.takers_waiting, 'waiting taker')})"
+        )
+    except NotFoundError:
+        detail = " (its state is gone; leftover keys only)"  # delete() says if there are none
+    ctx.confirm(
+        f"Delete accumulator {_where(args.name, ctx.scope)}{detail}?",
+        args.yes,
+        f"delete {esc(args.name, quote=True)}",
+    )
+    removed = _admin.delete(r, args.name, ctx.scope)
+    if ctx.json:
+        ctx.dump({"container": ctx.scope, "name": args.name, "keys_deleted": removed})
+    else:
+        ctx.write(f"deleted {_where(args.name, ctx.scope)} ({plural(removed, 'key')})")
+    return EXIT_OK
+
+
+@command("reset-container", "delete every accumulator of --container", destructive=True)
+def _reset_container(ctx: Context, args: argparse.Namespace) -> int:
+    if ctx.container is None:
+        raise CliError(
+            EXIT_USAGE,
+            "reset-container needs --container (--container '' for the default container)",
+            "usage",
+        )
+    r = ctx.connect()
+    names = [i.shared_name for i in _admin.list_accumulators(r, ctx.container)]
+    if names:
+        shown = ", ".join(esc(n, quote=True) for n in names[:5]) + (
+            ", ..." if len(names) > 5 else ""
+        )
+        where = esc(ctx.container, quote=True)
+        ctx.confirm(
+            f"Delete all {plural(len(names), 'accumulator')} of container {where} ({shown})?",
+            args.yes,
+            f"reset container {where}",
+        )
+        deleted = _admin.reset_container(r, ctx.container)
+    else:
+        deleted = 0
+    if ctx.json:
+        ctx.dump({"container": ctx.container, "deleted": deleted})
+    else:
+        where = esc(ctx.container, quote=True)
+        ctx.write(f"deleted {plural(deleted, 'accumulator')} of container {where}")
+    return EXIT_OK
+
+
+@command(
+    "job",
+    "a sync job (accumulator.sync): published step and done flag, chief, workers, parameters",
+    arg("name", help="the job name (as given to ParameterServer and Worker)"),
+    arg(
+        "--delete",
+        action="store_true",
+        help="delete the job's keys (parameters, counters, chief lease, and the accumulators "
+        "of its parameters); a job that is not finished only with --force",
+    ),
+    arg("--force", action="store_true", help="with --delete: also a job that is not finished"),
+    destructive=True,
+)
+def _job(ctx: Context, args: argparse.Namespace) -> int:
+    r = ctx.connect()
+    info = _admin.describe_job(r, args.name, ctx.scope)
+    where = esc(args.name, quote=True) + (
+        f" (container {esc(ctx.scope, quote=True)})" if ctx.scope else ""
+    )
+    if not args.delete:
+        if args.force:
+            raise CliError(EXIT_USAGE, "--force goes with --delete", "usage")
+        if ctx.json:
+            ctx.dump(info.to_dict())
+        else:
+            ctx.write("\n".join(render_job(info)))
+        return EXIT_OK
+    live = info.chief is not None and info.chief.live
+    if info.step is not None and not info.done and not args.force:
+        chief = f"; its chief {esc(info.chief.chief_id, quote=True)} is live" if live else ""  # type: ignore[union-attr]
+        raise CliError(
+            EXIT_USAGE,
+            f"sync job {where} is not finished (published step {info.step}{chief}); "
+            "pass --force to delete it anyway",
+            "refused",
+        )
+    detail = f"{plural(len(info.params), 'parameter')}, {plural(info.pushes, 'push', 'pushes')}"
+    if info.step is not None:
+        detail = f"step {info.step}, " + ("finished, " if info.done else "NOT finished, ") + detail
+    if live:
+        detail += f"; its chief {esc(info.chief.chief_id, quote=True)} is still live"  # type: ignore[union-attr]
+    ctx.confirm(
+        f"Delete sync job {where} ({detail}) and the accumulators of its parameters?",
+        args.yes,
+        f"delete sync job {esc(args.name, quote=True)}",
+    )
+    removed = _admin.delete_job(r, args.name, ctx.scope, force=True)
+    if ctx.json:
+        ctx.dump({"container": ctx.scope, "job": args.name, "keys_deleted": removed})
+    else:
+        ctx.write(f"deleted sync job {where} ({plural(removed, 'key')})")
+    return EXIT_OK
+
+
+@command(
+    "demo",
+    "run the distributed training demo (its own options: accumulator demo --help)",
+    arg("demo_args", nargs=argparse.REMAINDER, metavar="...", help="the demo's options"),
+    passthrough=True,
+)
+def _demo(ctx: Context, args: argparse.Namespace) -> int:
+    from ._demo import main as demo_main
+
+    return int(demo_main(list(args.demo_args)) or 0)

@@ -1,0 +1,223 @@
+"""What every ``accumulator`` command is built on: the exit codes and :class:`CliError`, the
+command table (:func:`command`, :func:`arg`, :data:`COMMANDS`), :func:`esc` (text from Redis
+made safe to print) and the :class:`Context` a command gets (global options, streams, a
+lazy connection, confirmation)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+import redis
+from redis.backoff import NoBackoff
+from redis.connection import SSLConnection, UnixDomainSocketConnection, parse_url
+from redis.retry import Retry
+
+from ._redact import redact_url, url_secrets
+
+EXIT_OK = 0
+EXIT_NOT_FOUND = 1
+EXIT_USAGE = 2
+EXIT_CONNECT = 3
+EXIT_ERROR = 4
+
+CONNECT_TIMEOUT = 5.0
+COMMAND_TIMEOUT = 30.0
+
+#: The environment variable holding the password (redis-cli's): used when the URL has none.
+AUTH_ENV = "REDISCLI_AUTH"
+
+
+class CliError(Exception):
+    """Ends a command with a message on stderr and an exit code."""
+
+    def __init__(self, code: int, message: str, kind: str = "error") -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.kind = kind
+
+
+# -- the command table ------------------------------------------------------------------------
+
+Runner = Callable[["Context", argparse.Namespace], int]
+ArgSpec = tuple[tuple[str, ...], dict[str, Any]]
+
+
+def arg(*flags: str, **kwargs: Any) -> ArgSpec:
+    """One ``add_argument`` call of a command, recorded for :func:`command`."""
+    return flags, kwargs
+
+
+@dataclass(frozen=True)
+class Command:
+    name: str
+    help: str
+    run: Runner
+    arguments: tuple[ArgSpec, ...] = ()
+    destructive: bool = False  # adds -y/--yes; the command asks first (see Context.confirm)
+    #: Takes its own options (all arguments after the name go to ``run`` as ``args.args``,
+    #: unparsed): listed in ``--help`` like the others.
+    passthrough: bool = False
+
+
+COMMANDS: dict[str, Command] = {}
+
+
+def command(
+    name: str,
+    help: str,
+    *arguments: ArgSpec,
+    destructive: bool = False,
+    passthrough: bool = False,
+) -> Callable[[Runner], Runner]:
+    """Register a subcommand: ``@command("name", "one-line help", arg(...), ...)``."""
+
+    def register(func: Runner) -> Runner:
+        COMMANDS[name] = Command(name, help, func, tuple(arguments), destructive, passthrough)
+        return func
+
+    return register
+
+
+# -- context: connection, output, confirmation ------------------------------------------------
+
+
+def esc(text: object, *, quote: bool = False) -> str:
+    """``text`` safe to print on a terminal: control and other non-printable characters
+    escaped as in ``repr`` (``\\x1b``, ``\\n``, ``\\u202e``). ``quote=True``: its ``repr``,
+    quotes included (how sentences name things: ``'dense/w'``). Every name, container and
+    other text read from Redis goes through here before it is printed."""
+    value = text if isinstance(text, str) else str(text)
+    if quote:
+        return repr(value)
+    if value.isprintable():
+        return value
+    return "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in value)
+
+
+@dataclass
+class Context:
+    """What every command gets: the global options, the streams, a lazy connection.
+
+    ``url`` and ``password`` are secrets (not in ``repr``); show :attr:`shown_url`."""
+
+    url: str = field(repr=False)
+    container: str | None  # None: not given (ls lists every container; others use "")
+    json: bool
+    out: TextIO = field(default_factory=lambda: sys.stdout)
+    err: TextIO = field(default_factory=lambda: sys.stderr)
+    stdin: TextIO = field(default_factory=lambda: sys.stdin)
+    user: str | None = None  # --user: the ACL user name (overrides the URL's)
+    tls: bool = False  # --tls
+    tls_ca_cert: str | None = None  # --tls-ca-cert FILE (implies TLS)
+    password: str | None = field(default=None, repr=False)  # $REDISCLI_AUTH
+    _client: redis.Redis | None = field(default=None, repr=False)
+
+    @property
+    def scope(self) -> str:
+        """The container a single-accumulator command works in."""
+        return self.container or ""
+
+    @property
+    def shown_url(self) -> str:
+        """The URL as it may be shown: passwords masked, control characters escaped."""
+        return esc(redact_url(self.url))
+
+    @property
+    def secrets(self) -> list[str]:
+        """What must never be printed: the URL's password(s) and ``$REDISCLI_AUTH``."""
+        return [*url_secrets(self.url), *([self.password] if self.password else [])]
+
+    def has_password(self) -> bool:
+        """Whether a password will be sent: one in the URL, else ``$REDISCLI_AUTH``."""
+        try:
+            in_url = parse_url(self.url).get("password") is not None
+        except ValueError:
+            in_url = False
+        return in_url or bool(self.password)
+
+    def connection_options(self) -> dict[str, Any]:
+        """Keyword arguments of the connection pool: the URL's (as ``redis.from_url`` reads
+        it), with ``--user``, ``--tls``, ``--tls-ca-cert`` and ``$REDISCLI_AUTH`` applied.
+        Raises :class:`CliError` (usage) for an invalid URL or TLS on a unix socket."""
+        try:
+            options: dict[str, Any] = parse_url(self.url)
+        except ValueError as exc:
+            raise CliError(
+                EXIT_USAGE, f"invalid --url {esc(redact_url(self.url), quote=True)}: {exc}", "usage"
+            ) from exc
+        if self.tls or self.tls_ca_cert:
+            if options.get("connection_class") is UnixDomainSocketConnection:
+                raise CliError(EXIT_USAGE, "--tls needs a TCP URL, not a unix:// socket", "usage")
+            options["connection_class"] = SSLConnection
+        if self.tls_ca_cert:
+            if not os.path.isfile(self.tls_ca_cert):
+                raise CliError(
+                    EXIT_USAGE,
+                    f"--tls-ca-cert: no such file {esc(self.tls_ca_cert, quote=True)}",
+                    "usage",
+                )
+            options["ssl_ca_certs"] = self.tls_ca_cert
+        if self.user:
+            options["username"] = self.user
+        if options.get("password") is None and self.password:
+            options["password"] = self.password
+        return {
+            "socket_connect_timeout": CONNECT_TIMEOUT,
+            "socket_timeout": COMMAND_TIMEOUT,
+            "retry": Retry(NoBackoff(), 1),
+            **options,  # the URL's own settings win, as with redis.from_url
+        }
+
+    def connect(self) -> redis.Redis:
+        """A checked connection (PING answered); raises :class:`CliError` when impossible."""
+        if self._client is not None:
+            return self._client
+        pool = redis.ConnectionPool(**self.connection_options())
+        try:  # a connection object checks the options without connecting
+            pool.connection_class(**pool.connection_kwargs)
+        except (TypeError, ValueError) as exc:  # e.g. an unknown ?option in the URL
+            raise CliError(
+                EXIT_USAGE, f"invalid --url {esc(redact_url(self.url), quote=True)}: {exc}", "usage"
+            ) from exc
+        client = redis.Redis(connection_pool=pool)
+        client.auto_close_connection_pool = True  # close() ends the pool's connections too
+        client.ping()  # errors are mapped by main()
+        self._client = client
+        return client
+
+    def close(self) -> None:
+        if self._client is not None:
+            with contextlib.suppress(Exception):
+                self._client.close()
+            self._client = None
+
+    def write(self, text: str = "") -> None:
+        self.out.write(text + "\n")
+        self.out.flush()
+
+    def dump(self, data: Any) -> None:
+        self.write(json.dumps(data, indent=2, sort_keys=False))
+
+    def confirm(self, question: str, yes: bool, what: str) -> None:
+        """Ask on a terminal; without one (and without --yes) refuse. Raises CliError(2)."""
+        if yes:
+            return
+        if not self.stdin.isatty():
+            raise CliError(
+                EXIT_USAGE,
+                f"refusing to {what} without confirmation: stdin is not a terminal; pass --yes",
+                "refused",
+            )
+        self.err.write(f"{question} [y/N] ")
+        self.err.flush()
+        answer = self.stdin.readline().strip().lower()
+        if answer not in ("y", "yes"):
+            raise CliError(EXIT_USAGE, "aborted, nothing changed", "refused")

@@ -1,0 +1,382 @@
+"""The chief of a sync job: :class:`ParameterServer` owns the parameters, takes the
+gradients, updates and publishes; a restarted chief resumes the published job."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import time
+import uuid
+import weakref
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+import redis
+
+from .. import _admin, _retry
+from .._errors import DeadlineExceededError, NotFoundError
+from .._keys import Keys
+from ._job import TrainingFinished, _Job, _text, accumulator_name
+from ._lease import CHIEF_LEASE_SECONDS, _ChiefLease, chief_key
+from ._params import Update, apply_update, specs_for, zero_grad
+from ._published import ParamSpec, Published, encode_published
+
+logger = logging.getLogger("accumulator.sync")
+
+
+class ParameterServer(_Job):
+    """The chief: owns the parameters, takes the gradients, updates and publishes.
+
+    ``sparse`` names the parameters whose gradients are sparse rows (dim 0 indexed); all
+    others are dense. ``replicas_to_aggregate`` gradients of every parameter make one step.
+
+    One chief per job: :meth:`initialize` takes the job's chief lease (``chief_lease``
+    seconds, renewed in the background while this object lives, released by :meth:`close`);
+    while another chief holds it, :class:`ChiefConflictError`. ``chief_id`` names this chief
+    in the lease (default ``<hostname>-<pid>-<random>``): a restarted chief given the same
+    id as the one that crashed takes over at once instead of waiting for its lease to run
+    out (never give two live chiefs one id). ``retry_window``: seconds of Redis outage every
+    operation rides through.
+    """
+
+    def __init__(
+        self,
+        job: str,
+        *,
+        replicas_to_aggregate: int,
+        sparse: Iterable[str] = (),
+        reduction_type: str = "MEAN",
+        client: redis.Redis | str | None = None,
+        container: str = "",
+        chief_id: str | None = None,
+        chief_lease: float = CHIEF_LEASE_SECONDS,
+        retry_window: float = _retry.RETRY_WINDOW,
+    ) -> None:
+        if int(replicas_to_aggregate) < 1:
+            raise ValueError(f"replicas_to_aggregate must be >= 1, got {replicas_to_aggregate}")
+        if reduction_type not in ("MEAN", "SUM"):
+            raise ValueError(f"reduction_type must be 'MEAN' or 'SUM', got {reduction_type!r}")
+        if not chief_lease > 0:
+            raise ValueError(f"chief_lease must be > 0 seconds, got {chief_lease!r}")
+        if chief_id is not None and (not isinstance(chief_id, str) or not chief_id):
+            raise ValueError(f"chief_id must be a non-empty string, got {chief_id!r}")
+        super().__init__(job, client=client, container=container, retry_window=retry_window)
+        self.replicas_to_aggregate = int(replicas_to_aggregate)
+        self.sparse = frozenset(sparse)
+        self.reduction_type = reduction_type
+        #: This chief's name in the job's chief lease.
+        self.chief_id = chief_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self._lease = _ChiefLease(self._redis, chief_key(self.keys), job, self.chief_id,
+                                  float(chief_lease), self.retry_window)  # fmt: skip
+        self._lease_finalizer = weakref.finalize(self, self._lease.release)
+        self._params: dict[str, np.ndarray] = {}
+        self._step: int | None = None
+        self._run = ""
+        self._done = False
+        # Gradients already taken for the current step when a step() timed out part-way:
+        # the next step() continues from there instead of taking those parameters twice.
+        # After a restart it also holds the zero gradients of parameters whose round the
+        # previous chief had read before it died.
+        self._taken: dict[str, Any] = {}
+
+    @property
+    def global_step(self) -> int:
+        """The published step (gradients for it are being collected)."""
+        if self._step is None:
+            raise RuntimeError("call initialize() first")
+        return self._step
+
+    @property
+    def finished(self) -> bool:
+        """Whether the job is finished (``step(final=True)``, :meth:`finish`, or a finished
+        job found by :meth:`initialize`): :meth:`step` raises :class:`TrainingFinished`."""
+        return self._done
+
+    @property
+    def params(self) -> dict[str, np.ndarray]:
+        """Copies of the current parameters."""
+        return {name: arr.copy() for name, arr in self._params.items()}
+
+    def _check_resumable(self, published: Published, specs: list[ParamSpec]) -> None:
+        if published.specs != specs:
+            raise ValueError(
+                f"sync job {self.job!r} is published with different parameters "
+                f"({'; '.join(s.describe() for s in published.specs)}) than given "
+                f"({'; '.join(s.describe() for s in specs)}); use resume=False to replace it"
+            )
+        if published.reduction != self.reduction_type:
+            raise ValueError(
+                f"sync job {self.job!r} is published with reduction_type "
+                f"{published.reduction!r}, not {self.reduction_type!r}; use resume=False "
+                "to replace it"
+            )
+
+    def initialize(
+        self,
+        params: Mapping[str, Any],
+        *,
+        resume: bool = True,
+        step: int = 0,
+        wait_for_chief: float = 0.0,
+    ) -> int:
+        """Create the accumulators and publish ``params`` at ``step``; returns the step.
+
+        With ``resume`` (the default) a job that is already published with the same
+        parameter names, kinds, dtypes and shapes is resumed instead: its published values
+        and step win over ``params`` (a restarted chief continues where it stopped; see the
+        module docstring for a chief that died during a step). A *finished* job is not
+        restarted: its final parameters and step are loaded, nothing is written, and
+        :attr:`finished` is True (``step()`` then raises :class:`TrainingFinished`). With
+        ``resume=False`` everything of an earlier job of this name is deleted first, finished
+        or not: its parameters, counters, and its accumulators with their pending gradients
+        and stats; a new job starts.
+
+        Takes the job's chief lease first (not for a finished job, which is only read):
+        :class:`ChiefConflictError` while another chief holds it, after waiting up to
+        ``wait_for_chief`` seconds for it to run out.
+        """
+        specs, arrays = specs_for(params, self.sparse)
+        if resume:
+            published = self._read_published()
+            if published is not None:
+                self._check_resumable(published, specs)
+                if published.done:
+                    return self._load_finished(published)
+        held = self._lease.held
+        self._lease.acquire(wait_for_chief)
+        try:
+            # read again under the lease: another chief may have moved on meanwhile
+            published = self._read_published() if resume else None
+            if published is not None:
+                self._check_resumable(published, specs)
+                if published.done:
+                    return self._load_finished(published)
+                return self._resume(published)
+            self._wipe(specs)
+            self._open_accumulators(specs, self.reduction_type)
+            if step:
+                for acc in self._accs.values():
+                    acc.set_global_step(step)
+            self._params, self._step, self._run = arrays, int(step), uuid.uuid4().hex
+            self._taken, self._done = {}, False
+            self._publish(meta=True)
+        except BaseException:
+            if not held:
+                self._lease.release()
+            raise
+        logger.info("sync job %r initialized at step %d: %s", self.job, self._step,
+                    ", ".join(s.describe() for s in specs))  # fmt: skip
+        return self._step
+
+    def _load_finished(self, published: Published) -> int:
+        """A finished job stays finished: load its final state, write nothing."""
+        self._close_accumulators()
+        self._specs = list(published.specs)
+        self._params, self._run, self._step = published.params, published.run, published.step
+        self._taken, self._done = {}, True
+        logger.info(
+            "sync job %r is finished (at step %d): not restarted; its final parameters are "
+            "loaded (initialize(resume=False) starts the job anew)", self.job, published.step,
+        )  # fmt: skip
+        return published.step
+
+    def _resume(self, published: Published) -> int:
+        self._open_accumulators(published.specs, published.reduction)
+        self._params, self._run = published.params, published.run
+        self._taken, self._done = {}, False
+        at = published.step
+        steps = {name: acc.global_step() for name, acc in self._accs.items()}
+        if any(s > at + 1 for s in steps.values()):
+            return self._skip_to(published, steps)
+        for name, s in steps.items():
+            if s < at:
+                # behind the published step (lost by a server restart, set by hand): align it;
+                # what it holds was pushed at older steps
+                logger.warning(
+                    "sync job %r: accumulator %r at step %d, behind the published step %d; "
+                    "set to %d, its pending gradients dropped", self.job,
+                    accumulator_name(self.job, name), s, at, at,
+                )  # fmt: skip
+                self._accs[name].set_global_step(at)
+                self._reset(name)
+        ahead = [name for name, s in steps.items() if s == at + 1]
+        handed = [name for name in ahead if self._unfinished_claims(name)]
+        lost = [name for name in ahead if name not in handed]
+        if ahead and len(lost) == len(steps):
+            # The previous chief read every parameter's round of this step and died before
+            # publishing: those gradients are gone. Skip the step: republish the parameters
+            # unchanged at the accumulators' step (waiting workers wake up and push again).
+            logger.warning(
+                "sync job %r: the previous chief died after taking step %d's gradients and "
+                "before publishing; they are lost: the step is skipped, parameters "
+                "republished unchanged at step %d", self.job, at, at + 1,
+            )  # fmt: skip
+            self._step = at + 1
+            self._publish(meta=True)
+            logger.info("sync job %r resumed at step %d", self.job, self._step)
+            return self._step
+        if ahead:
+            # Died during the step: finish it. A claimed round the previous chief never read
+            # is handed to this chief's take (the accumulator's step is not advanced again);
+            # a round it had read is lost: that parameter gets a zero gradient this step.
+            for name in lost:
+                self._taken[name] = zero_grad(next(s for s in self._specs if s.name == name))
+            logger.warning(
+                "sync job %r: the previous chief died during step %d, after taking %s; "
+                "rounds handed over to this chief: %s; lost (a zero gradient this step): %s",
+                self.job, at, sorted(ahead), sorted(handed) or "none", sorted(lost) or "none",
+            )  # fmt: skip
+        self._step = at
+        if published.replicas != self.replicas_to_aggregate:
+            self._publish(meta=True)
+        logger.info("sync job %r resumed at step %d", self.job, at)
+        return at
+
+    def _skip_to(self, published: Published, steps: dict[str, int]) -> int:
+        """Accumulators more than one step ahead (set by hand, two chiefs): align them all
+        to the highest step, drop what is pending, republish there."""
+        target = max([published.step, *steps.values()])
+        logger.warning(
+            "sync job %r: accumulators at steps %s but step %d published; the rounds in "
+            "between are skipped, parameters republished at step %d",
+            self.job, steps, published.step, target,
+        )  # fmt: skip
+        for name, acc in self._accs.items():
+            if steps[name] != target:
+                acc.set_global_step(target)
+            self._reset(name)
+        self._step = target
+        self._publish(meta=True)
+        return target
+
+    def _reset(self, name: str) -> None:
+        self._io("dropping pending gradients",
+                 lambda: _admin.reset(self.redis, accumulator_name(self.job, name),
+                                      self.container))  # fmt: skip
+
+    def _unfinished_claims(self, name: str) -> int:
+        """Claimed rounds of a parameter's accumulator that no taker has read yet (a taker
+        that died after claiming): the accumulator hands them to its next take."""
+        keys = Keys(self.container, accumulator_name(self.job, name))
+
+        def read() -> int:
+            registry = self.redis.hgetall(keys.claims)
+            takers = [t for t, v in registry.items() if v != b"done"]
+            if not takers:
+                return 0
+            pipe = self.redis.pipeline(transaction=False)
+            for taker in takers:
+                pipe.exists(keys.claim(_text(taker)))
+            return sum(int(x) for x in pipe.execute())
+
+        return self._io("reading claimed rounds", read)
+
+    def _wipe(self, specs: list[ParamSpec]) -> None:
+        old = self._read_published(with_params=False)
+        names = {s.name for s in specs} | {s.name for s in (old.specs if old else [])}
+        for name in sorted(names):
+            shared = accumulator_name(self.job, name)
+            with contextlib.suppress(NotFoundError):
+                self._io("deleting an accumulator",
+                         lambda: _admin.delete(self.redis, shared, self.container))  # fmt: skip  # noqa: B023
+        self._io("deleting the job", lambda: self.redis.delete(self.keys.params, self.keys.stats))
+
+    def _publish(self, *, meta: bool = False, done: bool = False) -> None:
+        mapping = encode_published(
+            self._run, self.global_step, done, self._specs, self._params,
+            (self.replicas_to_aggregate, self.reduction_type) if meta else None,
+        )  # fmt: skip
+
+        def publish() -> None:
+            # One HSET: readers (HGETALL) see either the old step and parameters or the new
+            # ones. Sent again after a fault, it writes the same values.
+            pipe = self.redis.pipeline(transaction=True)
+            pipe.hset(self.keys.params, mapping=mapping)
+            pipe.publish(self.keys.channel, str(self._step))
+            pipe.execute()
+
+        self._io("publishing", publish)
+
+    def step(self, update: Update, timeout: float | None = None, *, final: bool = False) -> int:
+        """Take ``replicas_to_aggregate`` gradients of every parameter, apply ``update``,
+        publish the parameters with the next step; returns that step.
+
+        ``update``: a learning rate (plain SGD, ``p -= lr * g``; sparse rows only where the
+        gradient has rows), a mapping of per-parameter learning rates, or a callable
+        ``fn(params, grads, step)`` that returns the new parameters or updates ``params`` in
+        place and returns None. Sparse gradients arrive as
+        :class:`~accumulator.SparseGradient` ``(indices, values, shape)``.
+
+        ``timeout`` (seconds) raises :class:`~accumulator.DeadlineExceededError` naming the
+        parameter waited on; what was taken is kept and the next call continues from there.
+
+        ``final`` publishes the new parameters as the job's last (as :meth:`finish`, in the
+        same write: no worker computes a gradient for a step that will never be taken).
+
+        Raises :class:`TrainingFinished` on a finished job and :class:`ChiefConflictError`
+        when another chief took the job's lease over (this chief must stop).
+        """
+        if self._step is None:
+            raise RuntimeError("call initialize() first")
+        if self._done:
+            raise TrainingFinished(
+                f"sync job {self.job!r} is finished (at step {self._step}); "
+                "initialize(resume=False) starts it anew"
+            )
+        self._lease.check(renew=False)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for spec in self._specs:
+            if spec.name in self._taken:
+                continue
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            acc = self._accs[spec.name]
+            try:
+                self._taken[spec.name] = acc.take_grad(  # type: ignore[attr-defined]
+                    self.replicas_to_aggregate, timeout=remaining
+                )
+            except DeadlineExceededError as exc:
+                kept = sorted(self._taken)
+                raise DeadlineExceededError(
+                    f"sync job {self.job!r}, step {self._step}: parameter {spec.name!r} "
+                    f"({spec.kind}) did not get {self.replicas_to_aggregate} gradients within "
+                    f"{timeout:g}s; taken and kept for the next step(): "
+                    f"{', '.join(repr(n) for n in kept) or 'none'} ({exc})"
+                ) from exc
+        self._lease.check(renew=True)  # never publish over another chief
+        grads, self._taken = self._taken, {}
+        self._params = apply_update(update, self._specs, self._params, grads, self._step)
+        self._step += 1
+        self._publish(done=final)
+        self._done = bool(final)
+        return self._step
+
+    def finish(self) -> None:
+        """Mark the job finished: workers waiting in ``pull(after=...)`` get
+        :class:`TrainingFinished` once they have seen the last step. No-op on a finished
+        job."""
+        if self._step is None:
+            raise RuntimeError("call initialize() first")
+        if self._done:
+            return
+        self._lease.check(renew=True)
+        self._publish(done=True)
+        self._done = True
+
+    def delete(self) -> None:
+        """Remove every key of this job: parameters, counters, the chief lease and the
+        accumulators. Takes the chief lease first (:class:`ChiefConflictError` while another
+        chief runs the job)."""
+        self._lease.acquire()
+        self._close_accumulators()
+        self._wipe(self._specs)
+        self._lease.release()
+        self._specs, self._params, self._step, self._done = [], {}, None, False
+
+    def close(self) -> None:
+        """Release the chief lease (another chief may start at once), the accumulators and
+        the connections."""
+        self._lease_finalizer()
+        super().close()

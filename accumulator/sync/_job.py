@@ -1,0 +1,229 @@
+"""What the chief and the workers of a sync job share: connections, keys, the accumulators of
+the parameters, reading the published state, and the job's statistics."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import redis
+
+from .. import _admin, _retry
+from .._connection import connect
+from .._core import AccumulatorBase
+from .._dense import ConditionalAccumulator
+from .._keys import Keys, SyncKeys
+from .._sparse import SparseConditionalAccumulator
+from ._published import ParamSpec, Published, decode_published
+
+
+class TrainingFinished(Exception):
+    """The job is finished: raised by :meth:`Worker.pull` with ``after=``, by
+    :meth:`Worker.push` at or after the final step (nothing applied) and by
+    :meth:`ParameterServer.step` on a finished job."""
+
+
+def accumulator_name(job: str, param: str) -> str:
+    """The shared name of a parameter's accumulator (what the CLI shows and watches)."""
+    return f"{job}/{param}"
+
+
+@dataclass(frozen=True)
+class ParamStats:
+    """One parameter's accumulator, as its scripts count (every host's activity)."""
+
+    shared_name: str
+    kind: str
+    global_step: int
+    pending: int  # gradients accepted for the current step so far
+    applied: int  # accepted, lifetime
+    stale: int  # dropped as stale, lifetime
+    max_stale: int  # the most steps behind a dropped gradient was
+    taken: int  # takes (chief updates)
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    """Pushes of one worker: a push is one gradient per parameter, at one step."""
+
+    pushes: int
+    partial: int  # some tensors accepted, some dropped (the chief took in between)
+    stale: int  # every tensor dropped
+    last_seen_ms: int | None = None  # server time (ms since the epoch) of its last push
+
+    @property
+    def accepted(self) -> int:
+        return self.pushes - self.partial - self.stale
+
+
+@dataclass(frozen=True)
+class SyncStats:
+    """A snapshot of a job: the published step, pushes per worker, each accumulator."""
+
+    step: int | None  # None: not initialized
+    done: bool
+    pushes: int
+    partial: int
+    stale: int
+    workers: dict[str, WorkerStats]
+    params: dict[str, ParamStats]
+
+    @property
+    def accepted(self) -> int:
+        """Pushes whose every tensor was accepted."""
+        return self.pushes - self.partial - self.stale
+
+    @property
+    def stale_tensors(self) -> int:
+        """Gradient tensors dropped as stale, summed over the parameters."""
+        return sum(p.stale for p in self.params.values())
+
+
+def _int(value: bytes | None, default: int = 0) -> int:
+    return default if value is None else int(value)
+
+
+def _text(value: Any) -> str:
+    if value is None:
+        return ""
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+
+
+_J = TypeVar("_J", bound="_Job")
+_T = TypeVar("_T")
+
+
+class _Job:
+    """What the chief and the workers share: connections, keys, reading state and stats.
+
+    A URL given as ``client`` is read once, here, into clients: no attribute keeps it (nor
+    the password in it); the accumulators are opened on the commands client.
+    """
+
+    def __init__(
+        self,
+        job: str,
+        *,
+        client: redis.Redis | str | None,
+        container: str,
+        retry_window: float = _retry.RETRY_WINDOW,
+    ) -> None:
+        if not job:
+            raise ValueError("a sync job needs a non-empty name")
+        if not retry_window > 0:
+            raise ValueError(f"retry_window must be > 0 seconds, got {retry_window!r}")
+        self.job = job
+        self.container = container or ""
+        self.keys = SyncKeys(self.container, job)
+        #: Seconds every Redis operation rides through an unreachable server (a restart, a
+        #: failover) before raising :class:`~accumulator.UnavailableError`; also given to the
+        #: accumulators.
+        self.retry_window = float(retry_window)
+        conns = connect(client)
+        self._redis: redis.Redis = conns.commands  # also what the accumulators derive from
+        self._blocking: redis.Redis = conns.blocking  # pub/sub waits only
+        self._specs: list[ParamSpec] = []
+        self._accs: dict[str, AccumulatorBase] = {}
+
+    def __repr__(self) -> str:
+        step = getattr(self, "_step", None)
+        return f"{type(self).__name__}(job={self.job!r}, container={self.container!r}, step={step})"
+
+    @property
+    def redis(self) -> redis.Redis:
+        """The client for ordinary commands (replies are bytes)."""
+        return self._redis
+
+    @property
+    def specs(self) -> list[ParamSpec]:
+        """The parameters (empty until initialized/pulled)."""
+        return list(self._specs)
+
+    @property
+    def accumulator_names(self) -> dict[str, str]:
+        """Parameter name -> shared name of its accumulator."""
+        return {s.name: accumulator_name(self.job, s.name) for s in self._specs}
+
+    def _io(self, what: str, fn: Callable[[], _T]) -> _T:
+        """``fn()`` retried through transient Redis faults for :attr:`retry_window` seconds."""
+        return _retry.call(fn, f"sync job {self.job!r}: {what}", window=self.retry_window)
+
+    def _open_accumulators(self, specs: list[ParamSpec], reduction: str) -> None:
+        self._close_accumulators()
+        for spec in specs:
+            cls = ConditionalAccumulator if spec.kind == "dense" else SparseConditionalAccumulator
+            acc = cls(
+                spec.dtype, spec.shape, shared_name=accumulator_name(self.job, spec.name),
+                name=spec.name, reduction_type=reduction, client=self._redis,
+                container=self.container,
+            )  # fmt: skip
+            acc.retry_window = self.retry_window
+            self._accs[spec.name] = acc
+        self._specs = list(specs)
+
+    def _close_accumulators(self) -> None:
+        for acc in self._accs.values():
+            acc.close()
+        self._accs = {}
+
+    def _read_published(self, with_params: bool = True) -> Published | None:
+        """The published state, read in one HGETALL (a consistent snapshot); retried through
+        Redis faults."""
+        fields = ("run", "step", "done", "meta")
+        raw: dict[Any, Any]
+        if with_params:
+            raw = self._io("reading the parameters", lambda: self.redis.hgetall(self.keys.params))
+        else:
+            values: list[Any] = self._io(
+                "reading the published step", lambda: self.redis.hmget(self.keys.params, fields)
+            )
+            raw = {f.encode(): v for f, v in zip(fields, values, strict=True) if v is not None}
+        return decode_published(self.job, raw, with_params)
+
+    def stats(self) -> SyncStats:
+        """Published step, push counters and every accumulator's statistics (one round trip
+        after the parameters are known)."""
+        specs = self._specs
+        if not specs:
+            published = self._read_published(with_params=False)
+            specs = published.specs if published else []
+        fields = ["step", "count", "n_applied", "n_stale", "max_stale", "n_taken"]
+
+        def read() -> list[Any]:
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.hmget(self.keys.params, ["step", "done"])
+            pipe.hgetall(self.keys.stats)
+            for spec in specs:
+                state = Keys(self.container, accumulator_name(self.job, spec.name)).state
+                pipe.hmget(state, fields)
+            return pipe.execute()
+
+        replies = self._io("reading the statistics", read)
+        (step, done), counters = replies[0], replies[1]
+        workers = _admin.parse_worker_counters(counters)
+        params = {}
+        for spec, values in zip(specs, replies[2:], strict=True):
+            st, count, applied, stale, max_stale, taken = (_int(v) for v in values)
+            params[spec.name] = ParamStats(accumulator_name(self.job, spec.name), spec.kind, st,
+                                           count, applied, stale, max_stale, taken)  # fmt: skip
+        return SyncStats(
+            step=None if step is None else int(step), done=done == b"1",
+            pushes=_int(counters.get(b"pushes")), partial=_int(counters.get(b"partial")),
+            stale=_int(counters.get(b"stale")),
+            workers={w.worker_id: WorkerStats(w.pushes, w.partial, w.stale, w.last_seen_ms)
+                     for w in workers},
+            params=params,
+        )  # fmt: skip
+
+    def close(self) -> None:
+        """Close the accumulators and the connections."""
+        self._close_accumulators()
+        self._blocking.close()
+        self._redis.close()
+
+    def __enter__(self: _J) -> _J:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

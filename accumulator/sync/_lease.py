@@ -1,0 +1,164 @@
+"""The chief lease: one chief per sync job (``accsync:{tag}:chief``, a hash renewed in the
+background; the script is ``lua/sync_lease.lua``)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from typing import Any
+
+import redis
+
+from .. import _admin, _retry, _scripts
+from .._errors import AccumulatorError
+from .._keys import SyncKeys
+from ._job import _text
+
+logger = logging.getLogger("accumulator.sync")
+
+#: Default length of the chief lease (renewed every third of it while the chief lives): a
+#: crashed chief is taken over by another within this long.
+CHIEF_LEASE_SECONDS = 10.0
+
+#: How long the record of a lease that ran out stays (``accumulator job`` shows the dead chief).
+_LEASE_RECORD_MS = 3600 * 1000
+
+
+class ChiefConflictError(AccumulatorError):
+    """Another chief holds the job's lease (one chief per job). ``holder`` is its
+    ``chief_id``, ``expires_in`` the seconds its lease has left: a chief that crashed is taken
+    over once that has run out."""
+
+    def __init__(
+        self, message: str, *, job: str, holder: str = "", expires_in: float | None = None
+    ) -> None:
+        super().__init__(message)
+        self.job = job
+        self.holder = holder
+        self.expires_in = expires_in
+
+
+def chief_key(keys: SyncKeys) -> str:
+    """The key of a job's chief lease (a hash: ``id``, ``host``, ``pid``, ``since_ms``,
+    ``renewed_ms``, ``expires_ms``)."""
+    return _admin.chief_lease_key(keys)
+
+
+class _ChiefLease:
+    """A chief's hold on its job: acquired by ``initialize()``, renewed by a daemon thread
+    every third of its length and before every publish, released by ``close()``.
+
+    Holds no reference to the :class:`ParameterServer` (a garbage-collected chief releases
+    its lease through a finalizer)."""
+
+    def __init__(
+        self, client: redis.Redis, key: str, job: str, chief_id: str, seconds: float,
+        window: float,
+    ) -> None:  # fmt: skip
+        self._client = client
+        self.key = key
+        self.job = job
+        self.chief_id = chief_id
+        self.seconds = seconds
+        self.window = window
+        self._host = socket.gethostname()
+        self._pid = os.getpid()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.held = False
+        #: Set (to the reason) when another chief took the lease over: this chief must stop.
+        self.lost: str | None = None
+
+    def _call(self, mode: str) -> list[Any]:
+        args = [mode, self.chief_id, max(1, int(self.seconds * 1000)), self._host, self._pid,
+                _LEASE_RECORD_MS]  # fmt: skip
+        return list(_scripts.call(self._client, "sync_lease", [self.key], args))
+
+    def _conflict(self, reply: list[Any]) -> ChiefConflictError:
+        holder, host, pid = _text(reply[1]), _text(reply[2]), _text(reply[3])
+        left, age = int(reply[4]) / 1000, int(reply[5]) / 1000
+        return ChiefConflictError(
+            f"sync job {self.job!r} already has a chief: {holder!r} (host {host!r}, pid "
+            f"{pid or '?'}), lease renewed {age:.1f}s ago, expires in {left:.1f}s. One chief "
+            "per job: stop the other chief; if it crashed, this one may take over once its "
+            "lease has run out (initialize(wait_for_chief=SECONDS) waits for that)",
+            job=self.job, holder=holder, expires_in=left,
+        )  # fmt: skip
+
+    def acquire(self, wait: float = 0.0) -> None:
+        """Take (or renew) the lease; waits up to ``wait`` seconds for another chief's to run
+        out, then raises :class:`ChiefConflictError`."""
+        deadline = time.monotonic() + max(0.0, wait)
+        while True:
+            reply = _retry.call(
+                lambda: self._call("acquire"), f"sync job {self.job!r}: chief lease",
+                window=self.window,
+            )  # fmt: skip
+            if int(reply[0]) == 1:
+                break
+            conflict = self._conflict(reply)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise conflict
+            time.sleep(min(left, 1.0, max(0.05, conflict.expires_in or 0.0)))
+        previous = _text(reply[1])
+        if previous:
+            logger.warning(
+                "sync job %r: chief %r takes over from chief %r, whose lease ran out (gone?)",
+                self.job, self.chief_id, previous,
+            )  # fmt: skip
+        self.held, self.lost = True, None
+        if self._thread is None or not self._thread.is_alive():
+            self._stop.clear()
+            self._thread = threading.Thread(
+                target=self._beat, name=f"accumulator-chief-lease-{self.job}", daemon=True
+            )
+            self._thread.start()
+
+    def check(self, *, renew: bool) -> None:
+        """Raise :class:`ChiefConflictError` if another chief took the lease over; with
+        ``renew``, renew it now (one round trip)."""
+        if self.lost is not None:
+            raise ChiefConflictError(self.lost, job=self.job)
+        if not renew:
+            return
+        reply = _retry.call(
+            lambda: self._call("acquire"), f"sync job {self.job!r}: chief lease",
+            window=self.window,
+        )  # fmt: skip
+        if int(reply[0]) != 1:
+            conflict = self._conflict(reply)
+            self.lost = f"this chief lost its lease: {conflict}"
+            self._stop.set()
+            raise ChiefConflictError(self.lost, job=self.job, holder=conflict.holder,
+                                     expires_in=conflict.expires_in)  # fmt: skip
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.seconds / 3):
+            try:
+                reply = self._call("acquire")
+            except Exception as exc:  # noqa: BLE001 - Redis away: the next beat tries again
+                logger.debug("sync job %r: renewing the chief lease failed: %s", self.job, exc)
+                continue
+            if int(reply[0]) != 1:
+                conflict = self._conflict(reply)
+                self.lost = f"this chief lost its lease: {conflict}"
+                logger.error("sync job %r: %s", self.job, self.lost)
+                return
+
+    def release(self) -> None:
+        """Stop renewing and give the lease up (best effort: it runs out by itself)."""
+        self._stop.set()
+        thread, self._thread = self._thread, None
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=5)
+        if not self.held:
+            return
+        self.held = False
+        try:
+            self._call("release")
+        except Exception as exc:  # noqa: BLE001 - the lease expires on its own
+            logger.debug("sync job %r: releasing the chief lease failed: %s", self.job, exc)

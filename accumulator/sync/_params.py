@@ -1,0 +1,114 @@
+"""The chief's parameter arithmetic, in numpy (no Redis): the specs of the initial
+parameters, the update rule of :meth:`ParameterServer.step` (plain SGD, per-parameter
+learning rates, or a function) with the check of what a function returns, and the zero
+gradient of a step whose round was lost."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from .._codec import resolve_dtype
+from .._sparse import SparseGradient
+from ._published import ParamSpec
+
+#: What :meth:`ParameterServer.step` applies: a learning rate for every parameter, one per
+#: parameter, or ``fn(params, grads, step) -> new params | None`` (None: updated in place).
+Update = (
+    float
+    | Mapping[str, float]
+    | Callable[[dict[str, np.ndarray], dict[str, Any], int], Mapping[str, Any] | None]
+)
+
+
+def _as_array(value: Any) -> np.ndarray:
+    """A private numpy copy of a parameter (numpy, lists, torch, jax, ...)."""
+    if hasattr(value, "detach") and hasattr(value, "requires_grad"):  # torch: drop autograd
+        value = value.detach().cpu()
+    return np.array(value)
+
+
+def specs_for(
+    params: Mapping[str, Any], sparse: frozenset[str]
+) -> tuple[list[ParamSpec], dict[str, np.ndarray]]:
+    """The specs of the initial parameters (those named in ``sparse`` are sparse) and the
+    parameters as contiguous arrays of their dtypes."""
+    unknown = sparse - set(params)
+    if unknown:
+        raise ValueError(f"sparse names parameters that do not exist: {sorted(unknown)}")
+    specs, arrays = [], {}
+    for name, value in params.items():
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"parameter names must be non-empty strings, got {name!r}")
+        arr = _as_array(value)
+        kind = "sparse" if name in sparse else "dense"
+        if kind == "sparse" and arr.ndim < 1:
+            raise ValueError(f"sparse parameter {name!r} needs at least one dimension")
+        spec = ParamSpec(name, kind, resolve_dtype(arr.dtype), tuple(arr.shape))
+        specs.append(spec)
+        arrays[name] = np.ascontiguousarray(arr, dtype=spec.dtype)
+    if not specs:
+        raise ValueError("no parameters")
+    return specs, arrays
+
+
+def apply_update(
+    update: Update,
+    specs: list[ParamSpec],
+    params: dict[str, np.ndarray],
+    grads: dict[str, Any],
+    step: int,
+) -> dict[str, np.ndarray]:
+    """The parameters after ``update`` with ``grads`` at ``step``: ``params`` itself, updated
+    in place, for learning rates; what a function returned (checked), or ``params`` it
+    updated in place, for a function."""
+    if callable(update):
+        out = update(params, grads, step)
+        return checked_params(specs, params if out is None else out)
+    if isinstance(update, Mapping):
+        missing = [s.name for s in specs if s.name not in update]
+        if missing:
+            raise ValueError(f"no learning rate for parameters {missing}")
+        rates = {name: float(lr) for name, lr in update.items()}
+    else:
+        rates = {s.name: float(update) for s in specs}
+    for spec in specs:
+        p, g, lr = params[spec.name], grads[spec.name], rates[spec.name]
+        if spec.kind == "sparse":
+            # indices come back unique, so fancy-index assignment adds each row once
+            p[g.indices] -= np.asarray(lr * g.values, dtype=p.dtype)
+        else:
+            p -= np.asarray(lr * g, dtype=p.dtype)
+    return params
+
+
+def checked_params(specs: list[ParamSpec], params: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """What an update function returned, as the parameters: the same names, shapes and
+    (castable) dtypes; contiguous copies in the parameters' dtypes."""
+    names = {s.name for s in specs}
+    if set(params) != names:
+        raise ValueError(f"update returned parameters {sorted(params)}, expected "
+                         f"{sorted(names)}")  # fmt: skip
+    out = {}
+    for spec in specs:
+        arr = _as_array(params[spec.name])
+        if arr.shape != spec.shape:
+            raise ValueError(f"update changed the shape of {spec.name!r}: "
+                             f"{arr.shape} != {spec.shape}")  # fmt: skip
+        if not np.can_cast(arr.dtype, spec.dtype, casting="same_kind"):
+            raise ValueError(f"update returned {arr.dtype} for {spec.name!r} "
+                             f"({spec.dtype} expected)")  # fmt: skip
+        out[spec.name] = np.ascontiguousarray(arr, dtype=spec.dtype)
+    return out
+
+
+def zero_grad(spec: ParamSpec) -> Any:
+    """A gradient that changes nothing: zeros (dense) or no rows (sparse)."""
+    if spec.kind == "sparse":
+        return SparseGradient(
+            np.empty(0, np.int64), np.zeros((0, *spec.shape[1:]), spec.dtype),
+            np.array(spec.shape, np.int64),
+        )  # fmt: skip
+    return np.zeros(spec.shape, spec.dtype)

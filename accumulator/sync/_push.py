@@ -1,0 +1,69 @@
+"""A worker's push, checked before anything is applied: every tensor as its accumulator's
+``apply_grad`` will check it (dtype, shape, sparse indices and values, size)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, cast
+
+import numpy as np
+
+from .._codec import as_array, check_payload_size, format_shape, shape_compatible, wire_nbytes
+from .._core import MAX_PAYLOAD_BYTES, AccumulatorBase
+from .._errors import InvalidArgumentError
+from .._sparse import SparseConditionalAccumulator
+from ._published import ParamSpec
+
+
+def _sparse_parts(grad: Any, name: str) -> tuple[Any, Any]:
+    """(indices, values) of a sparse gradient: IndexedSlices-like, SparseGradient or a pair."""
+    if hasattr(grad, "indices") and hasattr(grad, "values"):
+        return grad.indices, grad.values
+    if isinstance(grad, (tuple, list)) and len(grad) == 2:
+        return grad[0], grad[1]
+    raise TypeError(
+        f"the gradient of sparse parameter {name!r} must be (indices, values) or an "
+        f"IndexedSlices, not {type(grad).__name__}"
+    )
+
+
+def validated_push(
+    job: str,
+    specs: list[ParamSpec],
+    accs: Mapping[str, AccumulatorBase],
+    grads: Mapping[str, Any],
+) -> dict[str, tuple[Any, ...]]:
+    """Every tensor checked as its accumulator's ``apply_grad`` will (dtype castable, shape,
+    sparse indices and values, size), before any is applied: name -> the arguments of its
+    apply. Raises :class:`~accumulator.InvalidArgumentError` naming the parameter."""
+    out: dict[str, tuple[Any, ...]] = {}
+    for spec in specs:
+        grad = grads[spec.name]
+        try:
+            if spec.kind == "sparse":
+                indices, values = _sparse_parts(grad, spec.name)
+                acc = cast(SparseConditionalAccumulator, accs[spec.name])
+                # the sparse accumulator's own checks (TF's 1-5 and the declared dims)
+                _, vals = acc._validate(indices, values, None)
+                first = acc._first_error(vals)
+                if first:
+                    raise InvalidArgumentError(first)
+                check_payload_size(np.size(indices) * 8 + wire_nbytes(vals, spec.dtype),
+                                   MAX_PAYLOAD_BYTES)  # fmt: skip
+                out[spec.name] = (indices, values)
+            else:
+                arr = as_array(grad, spec.dtype)
+                if not shape_compatible(spec.shape, arr.shape):
+                    raise InvalidArgumentError(
+                        f"Shape mismatch: expected {format_shape(spec.shape)}, "
+                        f"got {format_shape(arr.shape)}"
+                    )
+                check_payload_size(wire_nbytes(arr, spec.dtype), MAX_PAYLOAD_BYTES)
+                out[spec.name] = (grad,)
+        except InvalidArgumentError as exc:
+            raise InvalidArgumentError(
+                f"push to sync job {job!r}: the gradient of {spec.name!r} "
+                f"({spec.kind} {spec.dtype.name} {format_shape(spec.shape)}) is invalid, "
+                f"nothing was applied: {exc}"
+            ) from exc
+    return out

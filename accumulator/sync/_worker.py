@@ -1,0 +1,228 @@
+"""A replica of a sync job: :class:`Worker` pulls the published parameters and pushes
+gradients at their step."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import time
+import uuid
+from collections.abc import Mapping
+from typing import Any, cast
+
+import numpy as np
+import redis
+
+from .. import _retry, _scripts
+from .._codec import scalar_int
+from .._errors import DeadlineExceededError
+from ._job import TrainingFinished, _Job
+from ._published import Published
+from ._push import validated_push
+
+logger = logging.getLogger("accumulator.sync")
+
+#: Longest sleep of a waiting worker between two looks at the published step.
+POLL_SLICE = 1.0
+
+
+class Worker(_Job):
+    """A replica: pulls the published parameters, pushes gradients at their step.
+
+    ``worker_id`` labels this worker's push counters (default ``<hostname>-<pid>``); a worker
+    that restarts under the same id keeps adding to the same counters. ``retry_window``:
+    seconds of Redis outage every operation rides through (a waiting ``pull`` subscribes
+    again after its connection dropped).
+    """
+
+    def __init__(
+        self,
+        job: str,
+        *,
+        client: redis.Redis | str | None = None,
+        container: str = "",
+        worker_id: str | None = None,
+        retry_window: float = _retry.RETRY_WINDOW,
+    ) -> None:
+        super().__init__(job, client=client, container=container, retry_window=retry_window)
+        self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}"
+        self._pubsub: Any = None
+        self._run: str | None = None
+        self._step: int | None = None
+        self._finished = False
+        # (step, {param: accepted}) of a push that failed part-way: pushing again at that
+        # step applies only the other tensors.
+        self._partial: tuple[int, dict[str, bool]] | None = None
+        #: This worker's lifetime counts: pushes, and tensors accepted / dropped as stale.
+        self.pushes = 0
+        self.accepted = 0
+        self.dropped = 0
+
+    @property
+    def step(self) -> int | None:
+        """The step of the last pull (None before the first)."""
+        return self._step
+
+    @property
+    def finished(self) -> bool:
+        """Whether the last pull returned the final parameters of a finished job."""
+        return self._finished
+
+    def _subscribe(self) -> None:
+        def subscribe() -> Any:
+            pubsub = self._blocking.pubsub(ignore_subscribe_messages=True)
+            try:
+                pubsub.subscribe(self.keys.channel)
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    pubsub.close()
+                raise
+            return pubsub
+
+        self._pubsub = self._io("subscribing", subscribe)
+
+    def _drop_pubsub(self) -> None:
+        pubsub, self._pubsub = self._pubsub, None
+        if pubsub is not None:
+            try:
+                pubsub.close()
+            except Exception:  # noqa: BLE001 - closing a broken connection is best effort
+                logger.debug("closing the pub/sub connection failed", exc_info=True)
+
+    def pull(
+        self, timeout: float | None = None, *, after: int | None = None
+    ) -> tuple[int, dict[str, np.ndarray]]:
+        """Wait for the parameters, then return ``(step, params)``.
+
+        Without ``after``: the current step as soon as the job is initialized (a late or
+        restarted worker catches up here; a finished job's final parameters too, and
+        :attr:`finished` says so). With ``after``: wait for a step newer than it (or for a
+        re-initialized job); :class:`TrainingFinished` once the job is finished.
+        ``timeout`` (seconds) raises :class:`~accumulator.DeadlineExceededError`. Redis
+        faults are ridden out for :attr:`retry_window` seconds.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if self._pubsub is None:
+                # Subscribe before the look: a publish after that look is then never missed.
+                self._subscribe()
+            run, step, done = self._io(
+                "reading the published step",
+                lambda: cast(
+                    "list[bytes | None]",
+                    self.redis.hmget(self.keys.params, ["run", "step", "done"]),
+                ),
+            )
+            if run is not None and step is not None:
+                restarted = self._run is not None and run.decode() != self._run
+                if after is not None and not restarted and done == b"1":
+                    # no gradient is wanted any more: a push would never be taken
+                    raise TrainingFinished(f"sync job {self.job!r} finished at step {int(step)}")
+                if after is None or restarted or int(step) > after:
+                    published = self._read_published()
+                    if published is not None:
+                        return self._adopt(published)
+            wait = POLL_SLICE
+            if deadline is not None:
+                wait = min(wait, deadline - time.monotonic())
+                if wait <= 0:
+                    raise DeadlineExceededError(
+                        f"no parameters of sync job {self.job!r} newer than step {after} "
+                        f"within {timeout}s" if after is not None else
+                        f"sync job {self.job!r} was not initialized within {timeout}s"
+                    )  # fmt: skip
+            try:
+                self._pubsub.get_message(timeout=max(wait, 0.001))
+            except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+                # Redis restarting, or the connection killed: subscribe again (retried for
+                # the retry window) and look again; a publish meanwhile is then seen.
+                logger.info("sync job %r: pub/sub connection lost (%s); subscribing again",
+                            self.job, exc)  # fmt: skip
+                self._drop_pubsub()
+                time.sleep(0.05)
+
+    def _adopt(self, published: Published) -> tuple[int, dict[str, np.ndarray]]:
+        if published.run != self._run or published.specs != self._specs:
+            self._open_accumulators(published.specs, published.reduction)
+            self._run = published.run
+            self._partial = None
+        self._step = published.step
+        self._finished = published.done
+        return published.step, published.params
+
+    def push(self, step: int, grads: Mapping[str, Any]) -> dict[str, bool]:
+        """Apply one gradient per parameter at ``step`` (normally the pulled step); returns
+        which were accepted (False: dropped as stale, the chief already took that step).
+
+        Dense gradients are arrays of the parameter's shape; sparse ones ``(indices,
+        values)`` or an ``IndexedSlices`` with rows of the parameter. Every tensor is checked
+        before any is applied (:class:`~accumulator.InvalidArgumentError`, nothing applied).
+        A push at or after the final step of a finished job raises :class:`TrainingFinished`
+        and applies nothing (one at an earlier step is dropped as stale, like any late push).
+        If applying fails part-way (Redis unreachable past the retry window, a full round),
+        the error is raised and the tensors applied so far are remembered: a push again at
+        the same step applies only the others.
+        """
+        if not self._accs:
+            raise RuntimeError("pull() first: the worker learns the parameters from the job")
+        names = [s.name for s in self._specs]
+        if set(grads) != set(names):
+            raise ValueError(f"push needs gradients for exactly {sorted(names)}, "
+                             f"got {sorted(grads)}")  # fmt: skip
+        step = scalar_int(step, "step")
+        _, published, done = self._io(
+            "reading the published step",
+            lambda: self.redis.hmget(self.keys.params, ["run", "step", "done"]),
+        )
+        if done == b"1" and published is not None and step >= int(published):
+            raise TrainingFinished(
+                f"sync job {self.job!r} finished at step {int(published)}: a push at step "
+                f"{step} would never be taken; nothing was applied"
+            )
+        prepared = validated_push(self.job, self._specs, self._accs, grads)
+        result: dict[str, bool] = {}
+        if self._partial is not None and self._partial[0] == step and self._partial[1]:
+            result = dict(self._partial[1])
+            logger.info(
+                "sync job %r: this push at step %d completes one that failed part-way (%s "
+                "already applied)", self.job, step, ", ".join(sorted(result)),
+            )  # fmt: skip
+        for spec in self._specs:
+            if spec.name in result:
+                continue
+            acc = self._accs[spec.name]
+            try:
+                ok = acc.apply_grad(*prepared[spec.name], local_step=step)  # type: ignore[attr-defined]
+            except BaseException:
+                self._partial = (step, dict(result))
+                if result:
+                    logger.error(
+                        "sync job %r: push at step %d failed after applying %s; pushing again "
+                        "at step %d applies only the others", self.job, step,
+                        ", ".join(sorted(result)), step,
+                    )  # fmt: skip
+                raise
+            result[spec.name] = bool(ok)
+        self._partial = None
+        result = {name: result[name] for name in names}
+        n_ok = sum(result.values())
+        self.pushes += 1
+        self.accepted += n_ok
+        self.dropped += len(result) - n_ok
+        self._count(n_ok, len(result))
+        return result
+
+    def _count(self, n_ok: int, n: int) -> None:
+        what = "" if n_ok == n else "stale" if n_ok == 0 else "partial"
+        push_id = uuid.uuid4().hex[:16]  # a retried count is recognised and counted once
+        args = [self.worker_id, push_id, what]
+        self._io(
+            "counting the push",
+            lambda: _scripts.call(self.redis, "sync_count", [self.keys.stats], args),
+        )
+
+    def close(self) -> None:
+        self._drop_pubsub()
+        super().close()
