@@ -28,7 +28,7 @@ from ._admin_job import (
     describe_job,
     parse_worker_counters,
 )
-from ._admin_ops import delete, reset, reset_container, set_step
+from ._admin_ops import delete, evict, reset, reset_container, set_step
 from ._admin_read import containers_of, describe, list_accumulators, server_info
 
 __all__ = [
@@ -43,6 +43,7 @@ __all__ = [
     "chief_lease_key",
     "containers_of",
     "delete",
+    "evict",
     "delete_job",
     "describe",
     "describe_job",

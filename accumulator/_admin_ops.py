@@ -4,6 +4,8 @@ from Redis are untrusted (only an accumulator's own payload keys are deleted).""
 
 from __future__ import annotations
 
+import re
+
 import redis
 
 from . import _scripts
@@ -82,3 +84,63 @@ def reset_container(r: redis.Redis, container: str, *, prefix: str = DEFAULT_PRE
             continue
         deleted += 1
     return deleted
+
+
+def evict(
+    r: redis.Redis,
+    shared_name: str,
+    taker_id: str,
+    container: str = "",
+    *,
+    drop: bool = False,
+    prefix: str = DEFAULT_PREFIX,
+) -> str:
+    """Remove a taker that is gone (a crashed chief) without waiting for its lease.
+
+    A waiting taker leaves the FIFO (the takers behind it proceed at once). A taker holding a
+    claimed round gives it back as ``leave`` would (or, if the accumulator moved on, hands it
+    to the next take); ``drop=True`` deletes that round's gradients instead. Returns
+    ``"left"``, ``"given back"``, ``"handed over"`` or ``"dropped"``; raises
+    :class:`NotFoundError` when there is no such taker. Evicting a live taker makes its take
+    raise (it finds its claim or its place gone) rather than return anything twice.
+    """
+    keys = Keys(container, shared_name, prefix)
+    claim = keys.claim(taker_id)
+    if not re.fullmatch(r"[0-9]+-[0-9a-f]+", taker_id):
+        raise InvalidArgumentError(f"not a taker id: {taker_id!r} (e.g. 12345-0a1b2c3d4e5f)")
+    waiting = r.zscore(keys.takers, taker_id) is not None
+    if drop:
+        with r.pipeline(transaction=True) as pipe:
+            pipe.watch(claim)
+            entries = pipe.lrange(claim, 0, -1)
+            # claim entries are untrusted: only this accumulator's own payload keys go
+            blobs = [e[1:] for e in entries[1:] if e[:1] == b"k" and keys.is_blob(e[1:])]
+            pipe.multi()
+            pipe.unlink(claim, *blobs)
+            pipe.hdel(keys.claims, taker_id)
+            pipe.zrem(keys.takers, taker_id)
+            pipe.hdel(keys.taker_info, taker_id)
+            pipe.execute()
+        if entries:
+            return "dropped"
+        if waiting:
+            return "left"
+        raise NotFoundError(f"no taker {taker_id!r} waits on or holds a round of {shared_name!r}")
+    try:
+        outcome = int(
+            _scripts.call(
+                r, "leave",
+                [keys.state, keys.takers, keys.taker_info, keys.wake, keys.queue_wake, claim,
+                 keys.grads, keys.claims],
+                [taker_id, SCHEMA_VERSION],
+            )
+        )  # fmt: skip
+    except NotFoundError as exc:
+        raise _not_found(shared_name, container) from exc
+    if outcome == 1:
+        return "given back"
+    if outcome == -1:
+        return "handed over"
+    if waiting:
+        return "left"
+    raise NotFoundError(f"no taker {taker_id!r} waits on or holds a round of {shared_name!r}")

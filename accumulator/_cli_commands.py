@@ -212,6 +212,33 @@ def _delete(ctx: Context, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+@command(
+    "evict",
+    "remove a taker that is gone (see `show`): a waiting one leaves the queue, a claimed round "
+    "goes back (or, with --drop, is deleted)",
+    arg("name", help="its shared_name"),
+    arg("taker", help="the taker id, as `show` lists it"),
+    arg("--drop", action="store_true", help="delete the taker's claimed round instead"),
+    destructive=True,
+)
+def _evict(ctx: Context, args: argparse.Namespace) -> int:
+    r = ctx.connect()
+    what = "and delete its claimed round" if args.drop else "(its claimed round, if any, goes back)"
+    ctx.confirm(
+        f"Evict taker {esc(args.taker, quote=True)} of {_where(args.name, ctx.scope)} {what}?",
+        args.yes,
+        f"evict {esc(args.taker, quote=True)}",
+    )
+    outcome = _admin.evict(r, args.name, args.taker, ctx.scope, drop=args.drop)
+    if ctx.json:
+        ctx.dump({"container": ctx.scope, "name": args.name, "taker": args.taker,
+                  "outcome": outcome})  # fmt: skip
+    else:
+        ctx.write(f"evicted taker {esc(args.taker, quote=True)} of "
+                  f"{_where(args.name, ctx.scope)}: {outcome}")  # fmt: skip
+    return EXIT_OK
+
+
 @command("reset-container", "delete every accumulator of --container", destructive=True)
 def _reset_container(ctx: Context, args: argparse.Namespace) -> int:
     if ctx.container is None:

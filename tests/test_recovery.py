@@ -42,3 +42,61 @@ def test_an_unknown_shape_opener_adopts_the_stored_shape(target):
 def test_a_shared_name_that_is_not_text_is_a_clear_type_error(target):
     with pytest.raises(TypeError, match="shared_name must be a str, not int"):
         make(target, shared_name=123)
+
+
+def _abandoned_take(acc, taker: str, n: int, *, taker_lease_ms: int, claim_lease_ms: int):
+    """What a chief killed mid-take leaves: its place in the FIFO, or its claimed round."""
+    from accumulator import _scripts
+
+    keys, args = acc._take_script_args(taker, n, taker_lease_ms)
+    args[6] = claim_lease_ms
+    return _scripts.call(acc.redis, "take", keys, args)
+
+
+def test_evict_a_dead_waiting_taker_unblocks_the_queue(target):
+    acc = make(target)
+    assert _abandoned_take(acc, "1-dead", 5, taker_lease_ms=60_000, claim_lease_ms=60_000)[0] == 0
+    acc.apply_grad(np.ones(SHAPE))
+    with pytest.raises(accumulator.DeadlineExceededError):  # behind the dead take(5)
+        acc.take_grad(1, timeout=0.3)
+    r = target.redis()
+    assert accumulator._admin.evict(r, "r", "1-dead") == "left"
+    np.testing.assert_array_equal(acc.take_grad(1, timeout=5), np.ones(SHAPE))
+    with pytest.raises(accumulator.NotFoundError, match="no taker"):
+        accumulator._admin.evict(r, "r", "1-dead")
+
+
+@pytest.mark.parametrize("shape", [SHAPE, (64, 1024)], ids=["inline", "blob"])
+def test_evict_gives_a_dead_takers_round_back_or_drops_it(target, shape):
+    acc = make(target, shape=shape)
+    acc.apply_grad(np.ones(shape))
+    _abandoned_take(acc, "2-dead", 1, taker_lease_ms=60_000, claim_lease_ms=60_000)
+    assert (acc.global_step(), acc.num_accumulated()) == (1, 0)
+    r = target.redis()
+    assert accumulator._admin.evict(r, "r", "2-dead") == "given back"
+    assert (acc.global_step(), acc.num_accumulated()) == (0, 1)
+    _abandoned_take(acc, "3-dead", 1, taker_lease_ms=60_000, claim_lease_ms=60_000)
+    assert accumulator._admin.evict(r, "r", "3-dead", drop=True) == "dropped"
+    assert (acc.global_step(), acc.num_accumulated()) == (1, 0)
+    left = {k for k in r.scan_iter(match=acc._keys.pattern) if b":b:" in k or b":c:" in k}
+    assert left == set()
+    info = accumulator._admin.describe(r, "r")
+    assert info.claims == () and info.takers_waiting == 0
+
+
+def test_cli_evict(real):
+    import io
+
+    from accumulator import _cli
+
+    target = real
+    acc = make(target)
+    acc.apply_grad(np.ones(SHAPE))
+    _abandoned_take(acc, "4-dead", 1, taker_lease_ms=60_000, claim_lease_ms=60_000)
+    out, err = io.StringIO(), io.StringIO()
+    assert _cli.main(["--url", target.url, "evict", "r", "4-dead", "--yes"],
+                     stdout=out, stderr=err) == 0, err.getvalue()  # fmt: skip
+    assert "given back" in out.getvalue()
+    assert _cli.main(["--url", target.url, "evict", "r", "4-dead", "--yes"],
+                     stdout=out, stderr=err) == 1  # fmt: skip
+    assert acc.num_accumulated() == 1
