@@ -90,8 +90,6 @@ def as_array(value: Any, dtype: np.dtype, what: str = "gradient") -> np.ndarray:
         arr = np.asarray(value)
     except Exception as exc:  # noqa: BLE001 - whatever the object raised, the input is bad
         raise InvalidArgumentError(f"Cannot convert the {what} to an array: {exc}") from exc
-    if not isinstance(arr, np.ndarray):  # a misbehaving __array__
-        raise InvalidArgumentError(f"Cannot convert the {what} to an array")
     if arr.dtype.kind not in "biufc" and arr.dtype != _BFLOAT16:
         raise InvalidArgumentError(
             f"Cannot convert a {what} of dtype {arr.dtype} to the accumulator dtype {dtype.name}"
@@ -104,10 +102,35 @@ def as_array(value: Any, dtype: np.dtype, what: str = "gradient") -> np.ndarray:
     return arr
 
 
-def to_wire(arr: np.ndarray, dtype: np.dtype) -> np.ndarray:
-    """The C-ordered little-endian array in ``dtype`` (no copy when ``arr`` already is one)."""
+def to_wire(arr: np.ndarray, dtype: np.dtype, what: str = "gradient") -> np.ndarray:
+    """The C-ordered little-endian array in ``dtype`` (no copy when ``arr`` already is one).
+
+    A cast that would turn finite values into infinities (``1e40`` into float32, ``70000``
+    into float16) is an :class:`InvalidArgumentError`, not a silent ``inf`` in the sum.
+    """
     # not np.ascontiguousarray: it turns a 0-d array into shape (1,)
-    return arr.astype(wire_dtype(dtype), order="C", copy=False)
+    with np.errstate(over="ignore", invalid="ignore"):
+        out = arr.astype(wire_dtype(dtype), order="C", copy=False)
+    if out is not arr and _kind(dtype) == "f" and _may_overflow(arr.dtype, dtype):
+        lost = ~np.isfinite(out)
+        if lost.any():
+            lost &= np.isfinite(arr)
+            if lost.any():
+                i = int(np.argmax(lost.reshape(-1)))
+                raise InvalidArgumentError(
+                    f"Cannot convert the {what} to {dtype.name}: value "
+                    f"{arr.reshape(-1)[i]!r} (element {i}) is out of its range (it would "
+                    "become inf)"
+                )
+    return out
+
+
+def _may_overflow(src: np.dtype, dst: np.dtype) -> bool:
+    """Whether casting src to the float dtype dst can overflow (a narrower float, or any
+    integer into float16/bfloat16)."""
+    if _kind(src) in "iu":
+        return dst.itemsize <= 2
+    return _kind(src) == "f" and ml_dtypes.finfo(src).max > ml_dtypes.finfo(dst).max
 
 
 def to_array(value: Any, dtype: np.dtype, what: str = "gradient") -> np.ndarray:
@@ -115,7 +138,7 @@ def to_array(value: Any, dtype: np.dtype, what: str = "gradient") -> np.ndarray:
 
     Copies (casts) before any shape check: prefer :func:`as_array`, check, then :func:`to_wire`.
     """
-    return to_wire(as_array(value, dtype, what), dtype)
+    return to_wire(as_array(value, dtype, what), dtype, what)
 
 
 def wire_nbytes(arr: np.ndarray, dtype: np.dtype) -> int:
@@ -147,8 +170,11 @@ def from_payload(data: bytes | memoryview, dtype: np.dtype, shape: Sequence[int]
 
 
 def _is_int(value: Any) -> bool:
-    """A Python or numpy integer, not a bool (``True`` is an int to Python, not to us)."""
-    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+    """A Python or numpy integer; not a bool (``True`` is an int to Python, not to us), nor a
+    ``np.timedelta64`` (a ``np.signedinteger`` subclass that ``int()`` cannot convert)."""
+    if isinstance(value, np.generic):
+        return value.dtype.kind in "iu"
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def normalize_shape(shape: Any) -> Shape:
@@ -223,14 +249,15 @@ def scalar_int(value: Any, what: str) -> int:
             raise InvalidArgumentError(
                 f"{what} must be an integer scalar, got {_short(value)}"
             ) from None
-        if not isinstance(arr, np.ndarray) or arr.ndim != 0:
-            shape = format_shape(arr.shape) if isinstance(arr, np.ndarray) else "?"
-            raise InvalidArgumentError(f"{what} must be a scalar, but received shape: {shape}")
+        if arr.ndim != 0:
+            raise InvalidArgumentError(
+                f"{what} must be a scalar, but received shape: {format_shape(arr.shape)}"
+            )
         if arr.dtype.kind not in "iu":
             raise InvalidArgumentError(f"{what} must be an integer, got {_short(value)}")
         out = int(arr)
     if not -(2**63) <= out < 2**63:  # TF's steps are int64
-        raise InvalidArgumentError(f"{what} must fit in int64, got {out}")
+        raise InvalidArgumentError(f"{what} must fit in int64, got {_short(out)}")
     return out
 
 

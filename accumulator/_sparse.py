@@ -110,7 +110,8 @@ class SparseConditionalAccumulator(AccumulatorBase):
                 indices.size * _INDEX_DTYPE.itemsize + wire_nbytes(values, self.dtype),
                 MAX_PAYLOAD_BYTES,
             )
-            indices, values = _reduce.coalesce(indices, to_wire(values, self.dtype))
+            wire = to_wire(values, self.dtype, "gradient values")
+            indices, values = _reduce.coalesce(indices, wire)
             payload = np.empty(indices.nbytes + values.nbytes, dtype=np.uint8)
             payload[: indices.nbytes] = indices.astype(_INDEX_DTYPE, copy=False).view(np.uint8)
             payload[indices.nbytes :] = np.ascontiguousarray(values).reshape(-1).view(np.uint8)

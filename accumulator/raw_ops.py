@@ -120,7 +120,10 @@ def SparseAccumulatorApplyGradient(  # noqa: N802
     name: str | None = None,
 ) -> bool:
     """``has_known_shape=False`` means ``gradient_shape`` is ignored (TF's doc inverts it)."""
-    flag = np.asarray(has_known_shape)
+    try:
+        flag = np.asarray(has_known_shape)
+    except Exception:  # noqa: BLE001 - ragged lists, objects whose __array__ fails
+        flag = np.asarray(None)  # refused below
     if flag.ndim != 0 or flag.dtype.kind not in "biu":
         raise InvalidArgumentError(
             f"has_known_shape must be a boolean scalar, got {has_known_shape!r}"

@@ -105,24 +105,55 @@ def redis_snapshot(r: Any, prefix: str = "acc:") -> dict[bytes, Any]:
     """Every key under ``prefix`` with its type and value, read type by type (fakeredis's DUMP
     is not the server's format): strings by GET, hashes by HGETALL (minus
     :data:`BOOKKEEPING_FIELDS`), lists by LRANGE, sets by SMEMBERS, zsets with their scores.
-    Expiries are not compared (PTTL moves with the clock)."""
+    Expiries are not compared (PTTL moves with the clock).
+
+    Left out: what a *completed* take leaves for the next take to free (its claim ``:c:``,
+    kept for a retried take, its ``done`` entry in the claim registry ``:cl``, and payload
+    keys ``:b:`` no longer in a round): any take script, also one that times out, may free
+    them. Payload keys of the pending round (``:g``) and claims not yet read stay.
+    """
+    keys = sorted(set(r.scan_iter(match=prefix + "*", count=1000)))
+    pipe = r.pipeline(transaction=False)
+    for key in keys:
+        pipe.type(key)
+    kinds = [k.decode() if isinstance(k, bytes) else k for k in pipe.execute()]
+    readers = {
+        "string": lambda p, k: p.get(k),
+        "hash": lambda p, k: p.hgetall(k),
+        "list": lambda p, k: p.lrange(k, 0, -1),
+        "set": lambda p, k: p.smembers(k),
+        "zset": lambda p, k: p.zrange(k, 0, -1, withscores=True),
+    }
+    pipe = r.pipeline(transaction=False)
+    read = [(key, kind) for key, kind in zip(keys, kinds, strict=True) if kind in readers]
+    for key, kind in read:
+        readers[kind](pipe, key)
     out: dict[bytes, Any] = {}
-    for key in sorted(r.scan_iter(match=prefix + "*", count=1000)):
-        kind = r.type(key)
-        kind = kind.decode() if isinstance(kind, bytes) else kind
-        if kind == "string":
-            value: Any = r.get(key)
-        elif kind == "hash":
-            value = {f: v for f, v in r.hgetall(key).items() if f not in BOOKKEEPING_FIELDS}
-        elif kind == "list":
-            value = r.lrange(key, 0, -1)
+    for (key, kind), value in zip(read, pipe.execute(), strict=True):
+        if value is None or (kind != "string" and not value):
+            continue  # expired or deleted between SCAN and the read (Redis has no empty ones)
+        if kind == "hash":
+            value = {f: v for f, v in value.items() if f not in BOOKKEEPING_FIELDS}
         elif kind == "set":
-            value = sorted(r.smembers(key))
-        elif kind == "zset":
-            value = r.zrange(key, 0, -1, withscores=True)
-        elif kind == "none":  # expired or deleted between SCAN and TYPE
-            continue
-        else:
-            value = kind
+            value = sorted(value)
         out[key] = (kind, value)
-    return out
+    for key, kind in zip(keys, kinds, strict=True):
+        if kind not in readers and kind != "none":  # a type this library never writes
+            out[key] = (kind, None)
+    in_rounds = {
+        entry[1:]
+        for key, (kind, value) in out.items()
+        if kind == "list" and key.endswith(b":g")
+        for entry in value
+        if entry[:1] == b"k"
+    }
+    kept: dict[bytes, Any] = {}
+    for key, (kind, value) in out.items():
+        if b"}:c:" in key or (b"}:b:" in key and key not in in_rounds):
+            continue
+        if kind == "hash" and key.endswith(b":cl"):
+            value = {f: v for f, v in value.items() if v != b"done"}
+            if not value:
+                continue
+        kept[key] = (kind, value)
+    return kept
