@@ -177,7 +177,7 @@ class AccumulatorBase:
         container: str = "",
         max_pending_bytes: int | None = None,
     ) -> None:
-        container = _check_name(container or "", "container")
+        container = _check_name("" if container is None else container, "container")
         if shared_name is not None:
             shared_name = _check_name(shared_name, "shared_name")
             if shared_name.startswith(PRIVATE_PREFIX):
@@ -428,8 +428,14 @@ class AccumulatorBase:
             raise InvalidArgumentError(
                 f"Argument num_required must be positive, but was {n}"
             )
+        if n > 2**31 - 1:  # TF's num_required is an int32
+            raise InvalidArgumentError(f"num_required must fit in int32, got {n}")
         if timeout is not None:
-            if isinstance(timeout, (bool, np.bool_)) or not isinstance(timeout, Real):
+            if (
+                isinstance(timeout, (bool, np.bool_))
+                or not isinstance(timeout, Real)
+                or (isinstance(timeout, np.generic) and timeout.dtype.kind not in "iuf")
+            ):
                 raise InvalidArgumentError(
                     f"timeout must be a number of seconds or None, got {timeout!r}"
                 )

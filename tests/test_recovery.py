@@ -100,3 +100,22 @@ def test_cli_evict(real):
     assert _cli.main(["--url", target.url, "evict", "r", "4-dead", "--yes"],
                      stdout=out, stderr=err) == 1  # fmt: skip
     assert acc.num_accumulated() == 1
+
+
+@pytest.mark.parametrize(
+    "value, dtype",
+    [(np.array([1.0, 1e40]), np.float32), (np.array([70000, 1]), np.float16),
+     (np.array([1e39, 0.0]), "bfloat16")],
+)  # fmt: skip
+def test_a_cast_that_overflows_is_refused(target, value, dtype):
+    acc = accumulator.ConditionalAccumulator(dtype, (2,), shared_name="cast",
+                                             client=target.client())  # fmt: skip
+    with pytest.raises(accumulator.InvalidArgumentError, match="out of its range"):
+        acc.apply_grad(value)
+    assert acc.num_accumulated() == 0
+    assert acc.apply_grad(np.array([np.inf, 1.0]))  # an inf that is there already passes
+    sparse = accumulator.SparseConditionalAccumulator(dtype, (4, 2), shared_name="scast",
+                                                      client=target.client())  # fmt: skip
+    with pytest.raises(accumulator.InvalidArgumentError, match="out of its range"):
+        sparse.apply_grad([0], value.reshape(1, 2))
+    assert sparse.num_accumulated() == 0

@@ -8,7 +8,14 @@ from typing import Any, cast
 
 import numpy as np
 
-from .._codec import as_array, check_payload_size, format_shape, shape_compatible, wire_nbytes
+from .._codec import (
+    as_array,
+    check_payload_size,
+    format_shape,
+    shape_compatible,
+    to_wire,
+    wire_nbytes,
+)
 from .._core import MAX_PAYLOAD_BYTES, AccumulatorBase
 from .._errors import InvalidArgumentError
 from .._sparse import SparseConditionalAccumulator
@@ -50,7 +57,9 @@ def validated_push(
                     raise InvalidArgumentError(first)
                 check_payload_size(np.size(indices) * 8 + wire_nbytes(vals, spec.dtype),
                                    MAX_PAYLOAD_BYTES)  # fmt: skip
-                out[spec.name] = (indices, values)
+                # converted here (range checked: no value may become inf), so the apply
+                # below cannot fail on it after another tensor went in
+                out[spec.name] = (indices, to_wire(vals, spec.dtype, "gradient values"))
             else:
                 arr = as_array(grad, spec.dtype)
                 if not shape_compatible(spec.shape, arr.shape):
@@ -59,7 +68,7 @@ def validated_push(
                         f"got {format_shape(arr.shape)}"
                     )
                 check_payload_size(wire_nbytes(arr, spec.dtype), MAX_PAYLOAD_BYTES)
-                out[spec.name] = (grad,)
+                out[spec.name] = (to_wire(arr, spec.dtype),)
         except InvalidArgumentError as exc:
             raise InvalidArgumentError(
                 f"push to sync job {job!r}: the gradient of {spec.name!r} "
