@@ -27,9 +27,10 @@ key                    type    contents
 ``P{tag}:c:<taker>``   list    a claimed round: a header, then the entries of ``:g``; kept
                                until the taker has read it (a retried take returns it again;
                                a take that fails gives it back)
-``P{tag}:cl``          hash    claim registry: taker id -> lease expiry ms of a claim with
-                               payload keys (``done`` once read); a lease that ran out marks a
-                               taker that is gone: the next take hands its round over
+``P{tag}:cl``          hash    claim registry: taker id -> lease expiry ms of its claim, or
+                               ``done <ms>`` once its take finished (kept 2 min for a retried
+                               finish); a lease that ran out marks a taker that is gone: the
+                               next take hands its round over
 ``P{tag}:x``           list    quarantine: entries a take refused to claim (a foreign key name,
                                a missing or resized payload), each ``"<reason> <entry>"``
 =====================  ======  ==============================================================

@@ -4,7 +4,7 @@
 -- KEYS[4..] the payload keys the claim named
 -- ARGV[1] taker id
 -- Returns 1 if the round was this taker's to keep (also on a retry: the registry keeps a
--- 'done' mark until the next take cleans it), 0 if its lease had run out and another taker
+-- 'done <ms>' mark for two minutes), 0 if its lease had run out and another taker
 -- took it over: the caller must not use the round then.
 local base, kerr = own_keys({'', ':cl'})
 if not base then return kerr end
@@ -17,8 +17,8 @@ local err = check_acl({{'HSET', KEYS[3]}, {'UNLINK', claim}, {'UNLINK', base .. 
 if err then return err end
 local mark = redis.call('HGET', KEYS[3], me)
 if not mark then return 0 end
-if mark ~= 'done' then
-  redis.call('HSET', KEYS[3], me, 'done')
+if not string.find(mark, '^done ') then
+  redis.call('HSET', KEYS[3], me, 'done ' .. int_str(now_ms()))
   local keys = {claim}
   for i = 4, #KEYS do keys[#keys + 1] = KEYS[i] end
   redis.call('UNLINK', unpack(keys))

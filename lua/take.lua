@@ -99,10 +99,14 @@ end
 if not queued and redis.call('EXISTS', KEYS[9]) == 1 then
   local registry = redis.call('HGETALL', KEYS[9])
   for i = 1, #registry, 2 do
-    local other, expiry = registry[i], tonumber(registry[i + 1])
+    local other, mark = registry[i], registry[i + 1]
+    local expiry, done = tonumber(mark), tonumber(string.match(mark, '^done (%d+)$') or '')
     local dead = base .. ':c:' .. other
-    if not expiry or not is_own(base, dead, 'c') or redis.call('EXISTS', dead) == 0 then
-      redis.call('HDEL', KEYS[9], other)  -- finished meanwhile, or not ours to follow
+    if done then
+      -- a finished take's mark answers a retried finish; kept for two minutes
+      if done + 120000 <= now then redis.call('HDEL', KEYS[9], other) end
+    elseif not expiry or not is_own(base, dead, 'c') or redis.call('EXISTS', dead) == 0 then
+      redis.call('HDEL', KEYS[9], other)  -- given back meanwhile, or not ours to follow
     elseif expiry <= now then
       redis.call('HDEL', KEYS[9], other)
       redis.call('RENAME', dead, claim)

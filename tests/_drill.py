@@ -383,7 +383,7 @@ class Drill:
         except (redis.ConnectionError, redis.TimeoutError):
             return True  # cannot tell: not now
         prefix = f"{pid}-".encode()
-        return any(k.startswith(prefix) and v == b"done" for k, v in marks.items())
+        return any(k.startswith(prefix) and v.startswith(b"done") for k, v in marks.items())
 
     def _claim_ids(self, key: bytes) -> set[int]:
         ids: set[int] = set()

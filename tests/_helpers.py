@@ -152,7 +152,7 @@ def redis_snapshot(r: Any, prefix: str = "acc:") -> dict[bytes, Any]:
         if b"}:c:" in key or (b"}:b:" in key and key not in in_rounds):
             continue
         if kind == "hash" and key.endswith(b":cl"):
-            value = {f: v for f, v in value.items() if v != b"done"}
+            value = {f: v for f, v in value.items() if not v.startswith(b"done")}
             if not value:
                 continue
         kept[key] = (kind, value)

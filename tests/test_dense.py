@@ -363,7 +363,8 @@ def test_an_inline_round_is_freed_when_its_take_returns(target):
     acc.apply_grad(np.ones(SMALL))
     acc.take_grad(1)
     assert not [k for k in keys_of(target, acc) if b":c:" in k]
-    assert target.redis().hvals(acc._keys.claims) == [b"done"]
+    (mark,) = target.redis().hvals(acc._keys.claims)
+    assert mark.startswith(b"done ")
 
 
 def _crashed_take(acc, lease_ms: int) -> list:
@@ -473,3 +474,18 @@ def test_bad_timeouts_and_steps_are_refused(target):
     with pytest.raises(accumulator.InvalidArgumentError, match="int64"):
         acc.apply_grad(np.ones(SMALL), local_step=2**63)
     assert acc.num_accumulated() == 0
+
+
+def test_a_retried_finish_still_owns_its_round(target):
+    """finish's reply lost and re-sent after another take ran: still this taker's round."""
+    from accumulator import _scripts
+
+    acc, other = make(target), make(target)
+    acc.apply_grad(np.ones(SMALL))
+    _crashed_take(acc, lease_ms=60_000)
+    k = acc._keys
+    finish = [k.state, k.claim("9-dead"), k.claims], ["9-dead"]
+    assert _scripts.call(acc.redis, "finish", *finish) == 1
+    acc.apply_grad(np.ones(SMALL), local_step=1)
+    other.take_grad(1, timeout=5)  # runs the registry loop
+    assert _scripts.call(acc.redis, "finish", *finish) == 1

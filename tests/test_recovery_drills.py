@@ -478,7 +478,7 @@ def _leftover_keys(r: redis.Redis, name: str) -> tuple[dict[str, str], list[str]
         if kind == "cl":
             marks = r.hgetall(raw)
             desc += f", {len(marks)} entries {sorted({v.decode() for v in marks.values()})}"
-            if any(v != b"done" for v in marks.values()):
+            if any(not v.startswith(b"done") for v in marks.values()):
                 problems.append(f"{key}: claim registry holds live leases: {marks}")
         elif kind == "d":
             if ttl < 0:
@@ -553,7 +553,7 @@ def _left_by(r: redis.Redis, name: str, pid: int) -> tuple[str, set[int]]:
         taker = key.decode().rsplit(":c:", 1)[1]
         mark = r.hget(keys.claims, taker)
         lease = (
-            "no lease" if mark is None else "done" if mark == b"done"
+            "no lease" if mark is None else "done" if mark.startswith(b"done")
             else f"lease {(int(mark) - now_ms) / 1000:.1f}s left"
         )  # fmt: skip
         entries = r.lrange(key, 1, -1)
