@@ -55,16 +55,7 @@ class ConditionalAccumulator(AccumulatorBase):
         cast to the dtype, does not fit the declared shape, or differs from this round's shape.
         """
         step = scalar_int(local_step, "local_step")
-        # Every check on the metadata first: the cast below copies, and a wrong-shaped
-        # broadcast view (np.broadcast_to(1.0, (2**31, 4))) must not be materialized.
-        arr = as_array(grad, self.dtype)
-        if not shape_compatible(self.shape, arr.shape):
-            raise InvalidArgumentError(
-                f"Shape mismatch: expected {format_shape(self.shape)}, "
-                f"got {format_shape(arr.shape)}"
-            )
-        check_payload_size(wire_nbytes(arr, self.dtype), MAX_PAYLOAD_BYTES)
-        arr = to_wire(arr, self.dtype)
+        arr = self._checked(grad)
         code, round_shape = self._apply(arr, shape_token(arr.shape), step)
         if code == -1:
             raise InvalidArgumentError(
@@ -72,6 +63,20 @@ class ConditionalAccumulator(AccumulatorBase):
                 f"got {format_shape(arr.shape)}"
             )
         return code == 1
+
+    def _checked(self, grad: Any) -> np.ndarray:
+        """The gradient as the wire array, after every check that does not need Redis
+        (dtype, declared shape, size, range). The checks run on the metadata first: the cast
+        copies, and a wrong-shaped broadcast view (np.broadcast_to(1.0, (2**31, 4))) must not
+        be materialized."""
+        arr = as_array(grad, self.dtype)
+        if not shape_compatible(self.shape, arr.shape):
+            raise InvalidArgumentError(
+                f"Shape mismatch: expected {format_shape(self.shape)}, "
+                f"got {format_shape(arr.shape)}"
+            )
+        check_payload_size(wire_nbytes(arr, self.dtype), MAX_PAYLOAD_BYTES)
+        return to_wire(arr, self.dtype)
 
     def take_grad(
         self, num_required: Any, name: str | None = None, *, timeout: float | None = None

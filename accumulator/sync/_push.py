@@ -8,15 +8,9 @@ from typing import Any, cast
 
 import numpy as np
 
-from .._codec import (
-    as_array,
-    check_payload_size,
-    format_shape,
-    shape_compatible,
-    to_wire,
-    wire_nbytes,
-)
+from .._codec import check_payload_size, format_shape, to_wire, wire_nbytes
 from .._core import MAX_PAYLOAD_BYTES, AccumulatorBase
+from .._dense import ConditionalAccumulator
 from .._errors import InvalidArgumentError
 from .._sparse import SparseConditionalAccumulator
 from ._published import ParamSpec
@@ -60,15 +54,8 @@ def validated_push(
                 # converted here (range checked: no value may become inf), so the apply
                 # below cannot fail on it after another tensor went in
                 out[spec.name] = (indices, to_wire(vals, spec.dtype, "gradient values"))
-            else:
-                arr = as_array(grad, spec.dtype)
-                if not shape_compatible(spec.shape, arr.shape):
-                    raise InvalidArgumentError(
-                        f"Shape mismatch: expected {format_shape(spec.shape)}, "
-                        f"got {format_shape(arr.shape)}"
-                    )
-                check_payload_size(wire_nbytes(arr, spec.dtype), MAX_PAYLOAD_BYTES)
-                out[spec.name] = (to_wire(arr, spec.dtype),)
+            else:  # the dense accumulator's own checks and conversion
+                out[spec.name] = (cast(ConditionalAccumulator, accs[spec.name])._checked(grad),)
         except InvalidArgumentError as exc:
             raise InvalidArgumentError(
                 f"push to sync job {job!r}: the gradient of {spec.name!r} "
