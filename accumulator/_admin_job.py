@@ -16,7 +16,7 @@ import redis
 from ._admin_info import _int, _server_ms, _text
 from ._admin_ops import delete
 from ._errors import InvalidArgumentError, NotFoundError
-from ._keys import DEFAULT_PREFIX, SYNC_PREFIX, Keys, SyncKeys
+from ._keys import DEFAULT_PREFIX, SYNC_PREFIX, Keys, SyncKeys, is_done_mark
 
 
 def chief_lease_key(keys: SyncKeys) -> str:
@@ -191,7 +191,7 @@ def describe_job(
     params = []
     for i, (name, kind, dtype, shape) in enumerate(specs):
         (schema, acc_step, count), waiting, registry = replies[3 * i : 3 * i + 3]
-        claimed = sum(1 for v in registry.values() if v != b"done")
+        claimed = sum(1 for v in registry.values() if not is_done_mark(v))
         params.append(JobParam(
             name=name, shared_name=f"{job}/{name}", kind=kind, dtype=dtype, shape=shape,
             step=None if schema is None else _int(acc_step) or 0, pending=_int(count) or 0,

@@ -169,6 +169,11 @@ class Keys:
         return out + ":*"
 
 
+def is_done_mark(value: bytes | str) -> bool:
+    """A claim registry value (``P{tag}:cl``) that marks a finished take, not a live lease."""
+    return (value.encode() if isinstance(value, str) else value).startswith(b"done")
+
+
 #: Key prefix of the sync helper's own keys (``accumulator.sync``): not ``acc``, so nothing
 #: that scans or deletes accumulators (the CLI, ``reset_container``) mistakes them for an
 #: accumulator's keys. ``reset_container`` leaves them alone; ``ParameterServer.delete()``

@@ -18,7 +18,7 @@ import redis
 
 from .. import _admin, _retry
 from .._errors import DeadlineExceededError, NotFoundError
-from .._keys import Keys
+from .._keys import Keys, is_done_mark
 from ._job import TrainingFinished, _Job, _text, accumulator_name
 from ._lease import CHIEF_LEASE_SECONDS, _ChiefLease, chief_key
 from ._params import Update, apply_update, specs_for, zero_grad
@@ -264,7 +264,7 @@ class ParameterServer(_Job):
 
         def read() -> int:
             registry = self.redis.hgetall(keys.claims)
-            takers = [t for t, v in registry.items() if v != b"done"]
+            takers = [t for t, v in registry.items() if not is_done_mark(v)]
             if not takers:
                 return 0
             pipe = self.redis.pipeline(transaction=False)
