@@ -21,7 +21,7 @@ _CONNECTION = "+ping +hello +select"  # redis-py tolerates a refused CLIENT SETI
 _WORKER = (
     "+evalsha +eval +script|load +time "
     "+get +set +mget +del +unlink +exists +strlen +pexpire +persist +rename "
-    "+hget +hmget +hset +hsetnx +hdel +hincrby "
+    "+hget +hmget +hgetall +hset +hsetnx +hdel +hincrby "
     "+rpush +lpush +lpop +lrange +lset +lrem +ltrim +blpop "
     "+zadd +zrem +zrange +zscore +zcard "
     "+publish +subscribe +unsubscribe +scan"
@@ -44,7 +44,7 @@ ROLES: dict[str, str] = {
     "sync": _rules(
         f"~{DEFAULT_PREFIX}:* ~{SYNC_PREFIX}:*",
         f"&{DEFAULT_PREFIX}:* &{SYNC_PREFIX}:*",
-        _WORKER + " +hgetall +multi +exec",
+        _WORKER + " +multi +exec",
     ),
 }
 

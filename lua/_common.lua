@@ -124,8 +124,9 @@ local function check_acl(checks)
   for _, c in ipairs(checks) do
     local ok
     if c[1] == 'PUBLISH' then ok = redis.acl_check_cmd('PUBLISH', c[2], '1')
+    elseif c[2] == nil then ok = redis.acl_check_cmd(c[1])
     else ok = redis.acl_check_cmd(c[1], c[2]) end
-    if not ok then return acc_error('NOPERM ' .. c[1] .. ' ' .. c[2]) end
+    if not ok then return acc_error('NOPERM ' .. c[1] .. ' ' .. (c[2] or '-')) end
   end
   return nil
 end

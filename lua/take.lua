@@ -44,7 +44,9 @@ err = check_acl({{'UNLINK', claim}, {'UNLINK', some_blob}, {'HSET', state},
   {'LPUSH', claim}, {'PEXPIRE', claim}, {'PERSIST', claim}, {'DEL', KEYS[6]},
   {'PUBLISH', KEYS[7]}, {'RPUSH', KEYS[8]}, {'LSET', grads}, {'LREM', grads},
   {'MGET', some_blob}, {'PEXPIRE', some_blob}, {'PERSIST', some_blob}, {'STRLEN', some_blob},
-  {'HSET', KEYS[9]}, {'HDEL', KEYS[9]}})
+  {'HSET', KEYS[9]}, {'HDEL', KEYS[9]}, {'HGETALL', KEYS[9]}, {'EXISTS', claim},
+  {'RENAME', claim}, {'LRANGE', grads}, {'ZCARD', takers}, {'ZRANGE', takers},
+  {'ZSCORE', takers}, {'HGET', info_key}, {'HGET', state}, {'TIME'}})
 if err then return err end
 
 -- A retry of a take that already claimed (the reply was lost): hand out the same round.

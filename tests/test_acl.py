@@ -163,3 +163,19 @@ def test_script_load_refused_is_fine_while_the_scripts_are_loaded(acl, real):
     )
     real.redis().script_flush()
     assert acc2.apply_grad(np.ones(SHAPE)) and acc2.num_accumulated() == 2
+
+
+def test_worker_role_takes_again_and_takes_over_a_dead_takers_round(acl):
+    url = acl("worker")
+    acc = accumulator.ConditionalAccumulator(np.float32, SHAPE, shared_name="again", client=url)
+    for step in range(3):  # every take after the first reads the claim registry
+        assert acc.apply_grad(np.full(SHAPE, float(step)), local_step=step)
+        np.testing.assert_array_equal(acc.take_grad(1, timeout=5), np.full(SHAPE, float(step)))
+    from accumulator import _scripts
+
+    acc.apply_grad(np.ones(SHAPE), local_step=3)
+    keys, args = acc._take_script_args("7-dead", 1, 10_000)
+    args[6] = 0  # a claim whose lease is over at once: its taker is gone
+    assert _scripts.call(acc.redis, "take", keys, args)[0] == 1
+    np.testing.assert_array_equal(acc.take_grad(1, timeout=5), np.ones(SHAPE))
+    assert acc.global_step() == 4
