@@ -62,6 +62,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from . import (
     _admin,
     _cli_commands,  # noqa: F401 - registers the commands in COMMANDS
+    _scripts,
 )
 from ._cli_context import (
     AUTH_ENV,
@@ -81,7 +82,13 @@ from ._cli_context import (
     esc,
 )
 from ._connection import default_url
-from ._errors import AccumulatorError, InvalidArgumentError, NotFoundError, SchemaVersionError
+from ._errors import (
+    AccumulatorError,
+    InvalidArgumentError,
+    NotFoundError,
+    PermissionDeniedError,
+    SchemaVersionError,
+)
 from ._redact import scrub
 
 __all__ = [
@@ -274,6 +281,11 @@ def _translate(ctx: Context, exc: BaseException) -> CliError:
         return CliError(EXIT_USAGE, str(exc), "usage")
     if isinstance(exc, SchemaVersionError):
         return CliError(EXIT_ERROR, str(exc), "schema")
+    if isinstance(exc, redis.exceptions.NoPermissionError):
+        # redis-py's text names the pipeline position; say it the library's way
+        exc = _scripts.translate(exc)
+    if isinstance(exc, PermissionDeniedError):
+        return CliError(EXIT_ERROR, str(exc), "permission")
     if isinstance(exc, (AccumulatorError, redis.RedisError)):
         return CliError(EXIT_ERROR, f"{type(exc).__name__}: {exc}", "server")
     raise exc

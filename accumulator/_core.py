@@ -467,10 +467,11 @@ class AccumulatorBase:
                 if int(reply[0]) == 1:
                     entries = reply[1]
                     if len(reply) > 3 and int(reply[3] or 0):
+                        step, count, _, _ = _parse_header(entries[0])
                         logger.warning(
                             "take_grad on %r took over a round claimed by a taker that is "
-                            "gone (its claim lease ran out): %s", self._shared_name,
-                            entries[0].decode(errors="replace").split(" ", 2)[:2],
+                            "gone (its claim lease ran out): step %d, %d gradients",
+                            self._shared_name, step, count,
                         )  # fmt: skip
                     break
                 wait = self.wait_slice

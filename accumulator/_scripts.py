@@ -108,7 +108,9 @@ def translate(exc: Exception) -> Exception:
             )
         if isinstance(exc, OutOfMemoryError) or text.startswith("OOM"):
             return ResourceExhaustedError(
-                f"Redis is out of memory (maxmemory): {text}; nothing was applied"
+                f"Redis is out of memory (maxmemory): {text.split(' script: ')[0]} Nothing was "
+                "changed: free memory or raise maxmemory (at the limit every write fails, "
+                "takes and opening an accumulator included)"
             )
         return exc
     words = text[idx + len(ERROR_PREFIX) :].split()

@@ -179,3 +179,14 @@ def test_worker_role_takes_again_and_takes_over_a_dead_takers_round(acl):
     assert _scripts.call(acc.redis, "take", keys, args)[0] == 1
     np.testing.assert_array_equal(acc.take_grad(1, timeout=5), np.ones(SHAPE))
     assert acc.global_step() == 4
+
+
+def test_cli_names_a_missing_permission(acl, real):
+    acc = accumulator.ConditionalAccumulator(np.float32, SHAPE, shared_name="v", client=real.url)
+    acc.apply_grad(np.ones(SHAPE))
+    url = acl("viewer")
+    out, err = io.StringIO(), io.StringIO()
+    code = _cli.main(["--url", url, "evict", "v", "1-abc", "--yes"], stdout=out, stderr=err)
+    assert code == 4
+    assert "lacks a permission" in err.getvalue() and "Security" in err.getvalue()
+    assert "pipeline" not in err.getvalue()
