@@ -52,6 +52,9 @@ class LeftClaim:
     count: int  # gradients in the claimed round
     bytes: int  # payload bytes still held (inline entries plus blob keys that exist)
     missing_blobs: int  # payload keys referenced by the claim that no longer exist
+    #: ms until its claim lease runs out (negative: ran out, the next take at the head gets
+    #: the round); None: no lease (a claim kept by an older version)
+    lease_remaining_ms: int | None = None
 
 
 @dataclass(frozen=True)

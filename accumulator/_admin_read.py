@@ -141,7 +141,7 @@ def _memory_usage(r: redis.Redis, keys: Iterable[bytes]) -> int | None:
 
 
 def _left_claims(
-    r: redis.Redis, keys: Keys, claim_keys: list[bytes], claim_head: bytes
+    r: redis.Redis, keys: Keys, claim_keys: list[bytes], claim_head: bytes, now: int | None
 ) -> tuple[list[LeftClaim], int, set[bytes]]:
     """The claims kept without expiry (left behind), the number of expiring ones (retry
     buffers of finished takes), and the payload keys the kept ones refer to."""
@@ -156,9 +156,10 @@ def _left_claims(
     if not kept:
         return [], buffers, set()
     pipe = r.pipeline(transaction=False)
+    pipe.hgetall(keys.claims)
     for key in kept:
         pipe.lrange(key, 0, -1)
-    contents = pipe.execute()
+    registry, *contents = pipe.execute()
     # entries are untrusted: only this accumulator's own payload keys are looked at
     blob_refs = [[e[1:] for e in c[1:] if e[:1] == b"k" and keys.is_blob(e[1:])] for c in contents]
     all_blobs = [b for refs in blob_refs for b in refs]
@@ -178,14 +179,17 @@ def _left_claims(
         referenced.update(refs)
         header = _text(content[0]).split(" ")
         inline = sum(len(e) - 1 for e in content[1:] if e[:1] == b"i")
+        taker = key[len(claim_head) :]
+        expiry = _int(registry.get(taker), None)
         claims.append(
             LeftClaim(
                 key=_text(key),
-                taker_id=_text(key[len(claim_head) :]),
+                taker_id=_text(taker),
                 step=_int(header[0], None),
                 count=len(content) - 1,
                 bytes=inline + sum(sizes.get(b, 0) for b in refs),
                 missing_blobs=sum(1 for b in refs if b not in sizes),
+                lease_remaining_ms=None if expiry is None or now is None else expiry - now,
             )
         )
     return claims, buffers, referenced
@@ -240,7 +244,7 @@ def describe(
     claim_keys = sorted(k for k in found if k.startswith(claim_head))
     referenced = {e[1:] for e in entries if e[:1] == b"k"}
 
-    claims, retry_buffers, in_claims = _left_claims(r, keys, claim_keys, claim_head)
+    claims, retry_buffers, in_claims = _left_claims(r, keys, claim_keys, claim_head, now)
     referenced |= in_claims
     stray = [
         k

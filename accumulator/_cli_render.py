@@ -230,7 +230,7 @@ def render_show(info: _admin.Info, prev: _admin.Info | None = None) -> list[str]
             ]
         else:
             lines.append("  none")
-        lines += ["", "left behind (claimed, never finished)"]
+        lines += ["", "claimed rounds (taken, not finished yet)"]
         if info.claims:
             rows = []
             for c in info.claims:
@@ -238,8 +238,14 @@ def render_show(info: _admin.Info, prev: _admin.Info | None = None) -> list[str]
                 if c.missing_blobs:
                     held += f" ({c.missing_blobs} payloads missing)"
                 step = "?" if c.step is None else str(c.step)
-                rows.append([c.taker_id, step, str(c.count), held, c.key])
-            headers = ["TAKER", "STEP", "GRADIENTS", "BYTES", "KEY"]
+                if c.lease_remaining_ms is None:
+                    lease = "none (evict it to give it back)"
+                elif c.lease_remaining_ms < 0:
+                    lease = f"ran out {fmt_ms(-c.lease_remaining_ms)} ago: the next take gets it"
+                else:
+                    lease = f"{fmt_ms(c.lease_remaining_ms)} left (being read)"
+                rows.append([c.taker_id, step, str(c.count), held, lease, c.key])
+            headers = ["TAKER", "STEP", "GRADIENTS", "BYTES", "LEASE", "KEY"]
             lines += ["  " + x for x in table(headers, rows, right=[1, 2])]
         else:
             lines.append("  none")

@@ -191,7 +191,7 @@ def test_show_waiting_taker_and_stale_drops(real: Target, make: Callable[..., An
         assert section[0].split() == ["#", "TAKER", "NEEDS", "WAITED", "LEASE"]
         row = section[1].split()
         assert row[:3] == ["1", waiting.taker_id, "3"] and "renewed" in section[1]
-        assert re.search(r"left behind \(claimed, never finished\)\n  none", text)
+        assert re.search(r"claimed rounds \(taken, not finished yet\)\n  none", text)
         assert re.search(r"stored\s+\d+ keys, .* \(MEMORY USAGE\)", text)
 
         data = json.loads(ok(cli("show", "grads", "--json", "--url", real.url)))

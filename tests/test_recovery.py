@@ -119,3 +119,20 @@ def test_a_cast_that_overflows_is_refused(target, value, dtype):
     with pytest.raises(accumulator.InvalidArgumentError, match="out of its range"):
         sparse.apply_grad([0], value.reshape(1, 2))
     assert sparse.num_accumulated() == 0
+
+
+def test_show_lists_a_dead_takers_claim_with_its_lease(real):
+    import io
+
+    from accumulator import _cli
+
+    acc = make(real)
+    acc.apply_grad(np.ones(SHAPE))
+    _abandoned_take(acc, "5-dead", 1, taker_lease_ms=60_000, claim_lease_ms=0)
+    out, err = io.StringIO(), io.StringIO()
+    assert _cli.main(["--url", real.url, "show", "r"], stdout=out, stderr=err) == 0
+    text = out.getvalue()
+    assert "claimed rounds (taken, not finished yet)" in text
+    assert "5-dead" in text and "the next take gets it" in text
+    (claim,) = accumulator._admin.describe(real.redis(), "r").claims
+    assert claim.lease_remaining_ms is not None and claim.lease_remaining_ms <= 0
