@@ -708,7 +708,10 @@ def test_fuzz_sparse_apply(target, sparse):
 
 def _maybe_valid_timeout(value: Any) -> bool:
     """What must not be passed to a take that would block: anything that might pass for a
-    number of seconds (numbers, numpy scalars and 0-d arrays, timedeltas)."""
+    number of seconds (numbers, numpy scalars and 0-d arrays, timedeltas), nor None: a take
+    without a timeout waits forever when num_required is valid but not reached."""
+    if value is None:
+        return True
     if isinstance(value, (bool, np.bool_)):
         return False
     if isinstance(value, np.ndarray):
