@@ -10,6 +10,7 @@ import redis
 
 from . import _scripts
 from ._admin_read import _not_found, _scan, list_accumulators
+from ._core import leave
 from ._errors import InvalidArgumentError, NotFoundError
 from ._keys import DEFAULT_PREFIX, SCHEMA_VERSION, Keys
 
@@ -127,14 +128,7 @@ def evict(
             return "left"
         raise NotFoundError(f"no taker {taker_id!r} waits on or holds a round of {shared_name!r}")
     try:
-        outcome = int(
-            _scripts.call(
-                r, "leave",
-                [keys.state, keys.takers, keys.taker_info, keys.wake, keys.queue_wake, claim,
-                 keys.grads, keys.claims],
-                [taker_id, SCHEMA_VERSION],
-            )
-        )  # fmt: skip
+        outcome = leave(r, keys, taker_id)
     except NotFoundError as exc:
         raise _not_found(shared_name, container) from exc
     if outcome == 1:

@@ -100,6 +100,20 @@ def _parse_header(raw: bytes) -> tuple[int, int, int, tuple[int, ...] | None]:
     return int(parts[0]), int(parts[1]), int(parts[2]), shape
 
 
+def leave(client: redis.Redis, keys: Keys, taker: str) -> int:
+    """Run ``lua/leave.lua`` for one taker: withdraw it from the FIFO and give back a round it
+    claimed. Returns 0 (it held no claim), 1 (given back) or -1 (the accumulator moved on:
+    the round is handed to the next take instead)."""
+    return int(
+        _scripts.call(
+            client, "leave",
+            [keys.state, keys.takers, keys.taker_info, keys.wake, keys.queue_wake,
+             keys.claim(taker), keys.grads, keys.claims],
+            [taker, SCHEMA_VERSION],
+        )
+    )  # fmt: skip
+
+
 def _check_name(value: Any, what: str) -> str:
     if not isinstance(value, str):
         raise TypeError(f"{what} must be a str, not {type(value).__name__}")
@@ -564,17 +578,8 @@ class AccumulatorBase:
 
     def _leave(self, taker: str, claim_key: str) -> None:
         k = self._keys
-
-        def leave() -> Any:
-            return _scripts.call(
-                self._conns.commands, "leave",
-                [k.state, k.takers, k.taker_info, k.wake, k.queue_wake, claim_key, k.grads,
-                 k.claims],
-                [taker, SCHEMA_VERSION],
-            )  # fmt: skip
-
         try:
-            outcome = int(self._io("leave", leave))
+            outcome = self._io("leave", lambda: leave(self._conns.commands, k, taker))
         except Exception:  # noqa: BLE001 - the lease expires on its own if Redis is unreachable
             logger.warning("could not withdraw taker %s from %s", taker, k.base, exc_info=True)
             return

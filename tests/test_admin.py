@@ -15,6 +15,7 @@ import redis
 
 import accumulator
 from accumulator import _admin, _scripts
+from accumulator._core import leave
 from accumulator._keys import SCHEMA_VERSION, Keys
 
 if TYPE_CHECKING:
@@ -80,16 +81,7 @@ def _claim_round(r: redis.Redis, name: str, taker: str, num_required: int) -> An
 
 def _leave(r: redis.Redis, name: str, taker: str) -> int:
     """The cleanup of an interrupted take (see lua/leave.lua)."""
-    k = Keys("", name)
-    return int(
-        _scripts.call(
-            r,
-            "leave",
-            [k.state, k.takers, k.taker_info, k.wake, k.queue_wake, k.claim(taker), k.grads,
-             k.claims],  # fmt: skip
-            [taker, SCHEMA_VERSION],
-        )
-    )
+    return leave(r, Keys("", name), taker)
 
 
 # -- list ---------------------------------------------------------------------------------------
