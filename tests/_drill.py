@@ -15,8 +15,12 @@ records; the parser skips a torn one and counts it):
   ``E <u> apply <ExcType> <message>`` when it raised. An ``S`` without ``R`` (killed during
   the call) or with ``E`` is *unknown*: it may be counted, at most once. ``X step <ExcType>
   <message>`` when reading the step raised (nothing was applied; the same id is used again).
-- taker: ``Q`` as soon as a take returned, then ``T <json>``: ``{"n": num_required, "ids": [...],
-  "odd": {position: value}, "s": seconds}``; ``E - take <ExcType> <message>``.
+- taker: ``C <claim>`` as soon as its take script claimed a round (the reply read), ``F`` just
+  before it sends the finish script (from then on the round may be freed in Redis), ``Q`` as
+  soon as a take returned, then ``T <json>``: ``{"n": num_required, "ids": [...], "odd":
+  {position: value}, "s": seconds}``; ``E - take <ExcType> <message>``. ``C`` and ``F`` come
+  from a hook on ``accumulator._scripts.call`` (the function the take protocol sends its
+  scripts through); a take returning without them logs ``E - hook`` and fails the drill.
 - both: ``E - open <ExcType> <message>`` when constructing the accumulator raised.
 """
 
@@ -118,10 +122,12 @@ def taker_main(
     acc.taker_lease = lease
     acc.wait_slice = wait_slice
     set_claim_lease(acc, claim_lease)
+    marks = _hook_take_protocol(log)
     rng = random.Random(seed)
     while True:
         n = rng.randint(1, take_max)
         started = time.monotonic()
+        marks.clear()
         try:
             total = acc.take_grad(n, timeout=1.0)
         except accumulator.DeadlineExceededError:
@@ -132,8 +138,34 @@ def taker_main(
             log(f"E - take {_describe(exc)}")
             continue
         log("Q")  # returned: a kill from here on loses the record, not the library's round
+        if marks[:1] != ["C"] or set(marks) != {"C", "F"}:  # a retried finish logs F twice
+            log(f"E - hook the take returned after {marks} (C = claimed, F = finishing)")
         log("T " + json.dumps(_take_record(total, n, time.monotonic() - started)))
     log("D")
+
+
+def _hook_take_protocol(log: _Log) -> list[str]:
+    """Log ``C <claim>`` when a take script's reply says it claimed, and ``F`` right before a
+    finish script is sent. Returns the list of marks of the current take (the caller clears
+    it before each take)."""
+    from accumulator import _scripts
+
+    original = _scripts.call
+    marks: list[str] = []
+
+    def call(client: Any, script: str, keys: Any, args: Any, *rest: Any, **kwargs: Any) -> Any:
+        if script == "finish":
+            marks.append("F")
+            log("F")
+        reply = original(client, script, keys, args, *rest, **kwargs)
+        if script == "take" and int(reply[0]) == 1:
+            marks.append("C")
+            claim = keys[4]
+            log(f"C {claim.decode() if isinstance(claim, bytes) else claim}")
+        return reply
+
+    _scripts.call = call  # type: ignore[assignment]
+    return marks
 
 
 def claim_lease_supported() -> bool:
@@ -313,85 +345,43 @@ class Drill:
         """SIGKILL a random live process of ``kind``, frozen first (SIGSTOP) and inspected.
 
         ``targeted``: caught inside the call that matters: a worker between ``S <u>`` and the
-        outcome of that apply (inside ``apply_grad``), a taker holding a claimed round it has
-        not returned yet (inside ``take_grad``, after its take script claimed); after 200
-        tries, wherever it is. Never a taker between ``Q`` and its take's record: that would
-        lose the drill's record of a round the library delivered (what is left of that blind
-        spot is the few microseconds between ``take_grad`` returning and ``Q``), nor one whose
-        round is finished in Redis (its claim lease released: ``done`` in the claim registry)
-        but not returned yet: that round is delivered, only the process dies before the
-        caller sees it, as if it died right after take_grad returned."""
+        outcome of that apply (inside ``apply_grad``), a taker between ``C`` and ``F``:
+        holding a round its take script claimed, which it has neither read nor finished
+        (inside ``take_grad``); after 200 tries, wherever it is. Never a taker between ``F``
+        and its take's record ``T``: from the finish script on, the round is delivered (freed
+        in Redis); a kill there loses only the drill's record of it, as if the process died
+        right after take_grad returned. What is left of that blind spot is the microseconds
+        between a retried finish and its second ``F``."""
         alive = self._alive(kind)
         if not alive:
             return "none alive"
         victim = self.rng.choice(alive)
         pid, where = victim.proc.pid, "anywhere"
-        for attempt in range(200):
+        for attempt in range(2000):
             os.kill(pid, signal.SIGSTOP)
             last = _last_line(victim.log)
             if kind == "worker":
-                if not targeted:
+                if not targeted or attempt >= 199:
                     break
                 if last.startswith("S "):
                     where = f"inside apply_grad of gradient {last[2:]}"
                     break
-            elif last != "Q" and not self._finished_unreturned(pid):
-                if not targeted or attempt == 199:
+            elif last not in ("F", "Q"):
+                if not targeted or attempt >= 199:
                     break
-                claim = self._claim_in_flight(pid, last)
-                if claim:
-                    where = f"inside take_grad holding claim {claim}"
+                if last.startswith("C "):
+                    where = f"inside take_grad holding claim {last[2:]}"
                     break
             os.kill(pid, signal.SIGCONT)
             time.sleep(self.rng.uniform(0, 0.004))
+        else:
+            where = "at last, between finishing a take and recording it"
         victim.killed = True
         os.kill(pid, signal.SIGKILL)
         victim.proc.join(10)
         return f"{victim.log.name} pid {pid} {where}"
 
     # -- faults ------------------------------------------------------------------------------
-
-    def _claim_in_flight(self, pid: int, last_line: str) -> str | None:
-        """A claim key of taker process ``pid`` holding a round that its last recorded take
-        (``last_line``) is not: claimed, not returned yet."""
-        if last_line == "Q":  # returned, being recorded
-            return None
-        recorded: set[int] = set()
-        if last_line.startswith("T "):
-            try:
-                recorded = set(json.loads(last_line[2:])["ids"])
-            except (ValueError, KeyError):
-                return None
-        keys = Keys("", self.config.name)
-        try:
-            for key in self.admin.scan_iter(match=f"{keys.pattern[:-2]}:c:{pid}-*"):
-                ids = self._claim_ids(key)
-                if ids and not ids <= recorded:
-                    return str(key.decode())
-        except (redis.ConnectionError, redis.TimeoutError):
-            pass
-        return None
-
-    def _finished_unreturned(self, pid: int) -> bool:
-        """Whether taker process ``pid`` has a take finished in Redis (``done`` in the claim
-        registry of the library's key schema), which it may not have returned yet."""
-        registry = getattr(Keys("", self.config.name), "claims", None)
-        if registry is None:
-            return False
-        try:
-            marks = self.admin.hgetall(registry)
-        except (redis.ConnectionError, redis.TimeoutError):
-            return True  # cannot tell: not now
-        prefix = f"{pid}-".encode()
-        return any(k.startswith(prefix) and v.startswith(b"done") for k, v in marks.items())
-
-    def _claim_ids(self, key: bytes) -> set[int]:
-        ids: set[int] = set()
-        for entry in self.admin.lrange(key, 1, -1):
-            payload = self.admin.get(entry[1:]) if entry[:1] == b"k" else entry[1:]
-            if payload is not None:
-                ids.update(np.flatnonzero(np.frombuffer(payload, DTYPE)).tolist())
-        return ids
 
     def _admin(self, *command: Any) -> Any:
         deadline = time.monotonic() + 10
@@ -406,9 +396,9 @@ class Drill:
     def inject(self, kind: str) -> str:
         c = self.config
         if kind == "kill_worker":
-            detail = self._kill("worker", targeted=self.rng.random() < 0.5)
+            detail = self._kill("worker", targeted=self.faults[kind] % 2 == 0)  # every other
         elif kind == "kill_taker":
-            detail = self._kill("taker", targeted=self.rng.random() < 0.5)
+            detail = self._kill("taker", targeted=self.faults[kind] % 2 == 0)
             self._spawn_taker()
         elif kind == "kill_redis":
             started = time.monotonic()
@@ -524,7 +514,7 @@ class Drill:
             lines = text.splitlines()
             if p.kind == "taker" and p.killed:
                 logs.killed_takers.add(p.proc.pid)
-                if lines and lines[-1] == "Q":
+                if lines and lines[-1] in ("F", "Q"):
                     logs.returned_unrecorded.add(p.proc.pid)
             for line in lines:
                 tag, _, rest = line.partition(" ")
@@ -631,6 +621,9 @@ class Drill:
             "server_n_applied": int(state.get(b"n_applied", -1)),
             "server_n_stale": int(state.get(b"n_stale", -1)),
             "server_n_adopted": int(state.get(b"n_adopted", 0)),
+            "server_n_quarantined": int(state.get(b"n_quarantined", 0)),
+            "caught_in_apply": sum(1 for f in self.fault_log if "inside apply_grad" in f[2]),
+            "caught_in_take": sum(1 for f in self.fault_log if "inside take_grad" in f[2]),
             "left_pending": acc.num_accumulated(),
             "leftover_claims": self.claim_info,
             # details for a failure message (ids are positions in the one-hot vector)
@@ -668,7 +661,9 @@ def summary_line(report: dict[str, Any]) -> str:
         f"{'inline' if report['inline'] else 'blob'}): {report['applies']} applies, "
         f"{report['accepted']} accepted, {report['stale']} stale, {report['unknown']} unknown "
         f"({report['unknown_raised']} raised, {report['unknown_taken']} of them taken), "
-        f"{report['takes']} takes; faults {faults}; lost {report['lost']}, "
+        f"{report['takes']} takes; faults {faults} (caught inside apply_grad "
+        f"{report['caught_in_apply']}, inside take_grad holding a claim "
+        f"{report['caught_in_take']}); lost {report['lost']}, "
         f"lost in a killed taker {report['lost_in_killed_taker']} (+"
         f"{report['unrecorded_by_killed_taker']} returned, unrecorded), "
         f"doubled {report['doubled']}, "
