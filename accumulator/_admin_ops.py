@@ -42,8 +42,7 @@ def reset(
     except NotFoundError as exc:
         raise _not_found(shared_name, container) from exc
     blobs = [b for b in blobs if keys.is_blob(b)]  # the script returns only ours; twice sure
-    if blobs:
-        r.unlink(*blobs)
+    _unlink(r, blobs)
     return int(dropped)
 
 
@@ -64,9 +63,7 @@ def delete(
     entries, removed = pipe.execute()
     removed = int(removed)
     # round entries are untrusted: only this accumulator's own payload keys are deleted
-    blobs = [e[1:] for e in entries if e[:1] == b"k" and keys.is_blob(e[1:])]
-    if blobs:
-        removed += int(r.unlink(*blobs))
+    removed += _unlink(r, keys.payload_keys(entries))
     rest = sorted(_scan(r, keys.pattern))
     for i in range(0, len(rest), 500):
         removed += int(r.unlink(*rest[i : i + 500]))
@@ -115,9 +112,11 @@ def evict(
             pipe.watch(claim)
             entries = pipe.lrange(claim, 0, -1)
             # claim entries are untrusted: only this accumulator's own payload keys go
-            blobs = [e[1:] for e in entries[1:] if e[:1] == b"k" and keys.is_blob(e[1:])]
+            blobs = keys.payload_keys([e for e in entries[1:] if isinstance(e, bytes)])
             pipe.multi()
-            pipe.unlink(claim, *blobs)
+            for i in range(0, len(blobs), 500):
+                pipe.unlink(*blobs[i : i + 500])
+            pipe.unlink(claim)
             pipe.hdel(keys.claims, taker_id)
             pipe.zrem(keys.takers, taker_id)
             pipe.hdel(keys.taker_info, taker_id)
@@ -138,3 +137,8 @@ def evict(
     if waiting:
         return "left"
     raise NotFoundError(f"no taker {taker_id!r} waits on or holds a round of {shared_name!r}")
+
+
+def _unlink(r: redis.Redis, keys: list[bytes]) -> int:
+    """UNLINK any number of keys, a few hundred per command; returns how many existed."""
+    return sum(int(r.unlink(*keys[i : i + 500])) for i in range(0, len(keys), 500))

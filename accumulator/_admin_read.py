@@ -161,7 +161,7 @@ def _left_claims(
         pipe.lrange(key, 0, -1)
     registry, *contents = pipe.execute()
     # entries are untrusted: only this accumulator's own payload keys are looked at
-    blob_refs = [[e[1:] for e in c[1:] if e[:1] == b"k" and keys.is_blob(e[1:])] for c in contents]
+    blob_refs = [keys.payload_keys(c[1:]) for c in contents]
     all_blobs = [b for refs in blob_refs for b in refs]
     sizes: dict[bytes, int] = {}
     if all_blobs:
@@ -242,7 +242,7 @@ def describe(
         if there
     }
     claim_keys = sorted(k for k in found if k.startswith(claim_head))
-    referenced = {e[1:] for e in entries if e[:1] == b"k"}
+    referenced = set(keys.payload_keys(entries))
 
     claims, retry_buffers, in_claims = _left_claims(r, keys, claim_keys, claim_head, now)
     referenced |= in_claims

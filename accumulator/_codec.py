@@ -147,11 +147,11 @@ def wire_nbytes(arr: np.ndarray, dtype: np.dtype) -> int:
 
 
 def check_payload_size(nbytes: int, limit: int) -> None:
-    """Refuse a gradient Redis cannot store as one value, before anything is built."""
+    """Refuse a gradient larger than one payload may be, before anything is built."""
     if nbytes > limit:
         raise InvalidArgumentError(
-            f"gradient of {nbytes} bytes exceeds Redis's {limit} byte value limit "
-            "(proto-max-bulk-len); split the parameter into several accumulators"
+            f"gradient of {nbytes} bytes exceeds the {limit} byte limit of one payload; "
+            "split the parameter into several accumulators"
         )
 
 

@@ -22,7 +22,7 @@ import numpy as np
 import redis
 from redis.exceptions import NoScriptError, ResponseError
 
-from . import _retry, _scripts
+from . import _chunks, _retry, _scripts
 from ._codec import (
     Definition,
     format_shape,
@@ -42,6 +42,7 @@ from ._errors import (
     ResourceExhaustedError,
 )
 from ._keys import SCHEMA_VERSION, Keys
+from ._stream import ClaimReader, Source
 
 logger = logging.getLogger("accumulator")
 
@@ -49,7 +50,8 @@ _A = TypeVar("_A", bound="AccumulatorBase")
 _T = TypeVar("_T")
 
 #: Payloads up to this size travel inside the apply script call (one round trip); larger ones
-#: are written with a plain SET to their own key in the same pipeline (no copy through Lua).
+#: are written in parts of one chunk each (``_chunks``), with plain SETs in the same pipeline
+#: (no copy through Lua).
 INLINE_MAX_BYTES = 32 * 1024
 #: How long a waiting taker's place in the FIFO survives without renewal (a crashed taker
 #: blocks the takers behind it at most this long). Renewed every WAIT_SLICE.
@@ -63,9 +65,9 @@ DEDUP_TTL_MS = 600 * 1000
 #: gone and the next take hands its round over (nothing is lost with a crashed chief).
 CLAIM_LEASE_MS = 5 * 1000
 CLAIM_LEASE_MS_PER_MIB = 50  # 20 MiB/s: far below loopback or LAN speed
-#: Redis's default ``proto-max-bulk-len``: one value may not be larger; beyond it the server
-#: resets the connection (and retries take long to fail), so refuse up front.
-MAX_PAYLOAD_BYTES = 512 * 1024 * 1024
+#: The largest gradient payload: 16 GiB (stored in parts of one chunk each). A guard against a
+#: mistaken broadcast view more than a limit of Redis: the taker holds one such result.
+MAX_PAYLOAD_BYTES = 16 * 1024**3
 #: Safety-net expiry of a private (unnamed) accumulator, renewed by every write.
 PRIVATE_TTL_MS = 24 * 3600 * 1000
 #: Default limit on the payload bytes one pending round may hold (``max_pending_bytes``):
@@ -82,12 +84,19 @@ _REDUCTIONS = ("MEAN", "SUM")
 
 @dataclass(frozen=True)
 class Claim:
-    """A round a take claimed: the new global step, the round shape, the payloads in order."""
+    """A round a take claimed: the new global step, the round shape, the payload bytes it
+    holds, and a reader of its payloads (in apply order)."""
 
     step: int
     count: int
     round_shape: tuple[int, ...] | None
-    payloads: list[bytes]
+    nbytes: int
+    reader: ClaimReader
+
+    @property
+    def payloads(self) -> list[bytes]:
+        """Every gradient's whole payload (read now)."""
+        return self.reader.payloads()
 
 
 def _parse_header(raw: bytes) -> tuple[int, int, int, tuple[int, ...] | None]:
@@ -300,7 +309,9 @@ class AccumulatorBase:
             theirs = Definition.unpack(existing)
             mine = self._definition
             if mine.shape is None and (mine.kind, mine.dtype, mine.reduction_type) == (
-                theirs.kind, theirs.dtype, theirs.reduction_type
+                theirs.kind,
+                theirs.dtype,
+                theirs.reduction_type,
             ):
                 # unknown shape is compatible with any (as in TF): adopt the stored one
                 self._definition = theirs
@@ -375,8 +386,8 @@ class AccumulatorBase:
         nbytes = payload.nbytes
         if nbytes > MAX_PAYLOAD_BYTES:
             raise InvalidArgumentError(
-                f"gradient of {nbytes} bytes exceeds Redis's {MAX_PAYLOAD_BYTES} byte value "
-                "limit (proto-max-bulk-len); split the parameter into several accumulators"
+                f"gradient of {nbytes} bytes exceeds the {MAX_PAYLOAD_BYTES} byte limit of one "
+                "payload; split the parameter into several accumulators"
             )
         state = self._local
         state.seq += 1
@@ -385,7 +396,7 @@ class AccumulatorBase:
         blob = k.blob(cid, seq)
         keys = [k.state, k.grads, k.dedup(cid), k.takers, k.taker_info, k.wake, blob]
         inline = nbytes <= INLINE_MAX_BYTES
-        args = [SCHEMA_VERSION, seq, local_step, shape_token, "i" if inline else "k",
+        args = [SCHEMA_VERSION, seq, local_step, shape_token, "i" if inline else "p",
                 b"i" + payload if inline else b"", nbytes, DEDUP_TTL_MS, first_error]  # fmt: skip
         commands = self._conns.commands
 
@@ -395,13 +406,16 @@ class AccumulatorBase:
             if inline:
                 return _scripts.call(commands, "apply", keys, args)
             pipe = commands.pipeline(transaction=False)
-            # NX: a retry must not re-arm the orphan expiry of a payload already accepted
-            pipe.set(blob, payload, nx=True, px=ORPHAN_TTL_MS)
+            # The parts, each one chunk, straight from the caller's buffer (memoryview
+            # slices: no copy). NX: a retry must not re-arm the orphan expiry of a payload
+            # already accepted.
+            for i, (start, stop) in enumerate(_chunks.part_ranges(nbytes)):
+                pipe.set(k.part(blob, i), payload[start:stop], nx=True, px=ORPHAN_TTL_MS)
             pipe.execute_command(*_scripts.evalsha_args("apply", keys, args))
-            stored, reply = pipe.execute(raise_on_error=False)
+            *stored, reply = pipe.execute(raise_on_error=False)
             if isinstance(reply, NoScriptError):
                 reply = _scripts.call(commands, "apply", keys, args)
-            for result in (stored, reply):  # the payload's refusal (OOM, ACL) explains best
+            for result in (*stored, reply):  # a part's refusal (OOM, ACL) explains best
                 if isinstance(result, ResponseError):
                     raise _scripts.translate(result)
                 if isinstance(result, Exception):
@@ -439,9 +453,7 @@ class AccumulatorBase:
         self._check_open()
         n = scalar_int(num_required, "num_required")
         if n < 1:
-            raise InvalidArgumentError(
-                f"Argument num_required must be positive, but was {n}"
-            )
+            raise InvalidArgumentError(f"Argument num_required must be positive, but was {n}")
         if n > 2**31 - 1:  # TF's num_required is an int32
             raise InvalidArgumentError(f"num_required must fit in int32, got {n}")
         if timeout is not None:
@@ -512,7 +524,12 @@ class AccumulatorBase:
                     queue.close()
                     queue = None
             claim, blob_keys = self._read_claim(entries, claim_key)
-            result = decode(claim)
+            try:
+                result = decode(claim)  # reads the payloads as it goes
+            except AccumulatorError as exc:
+                if self._io("take_grad", lambda: commands.exists(claim_key)):
+                    raise
+                raise AccumulatorError(self._taken_over_message()) from exc
             self._finish(taker, claim_key, blob_keys)
         except BaseException:
             # Not claimed: withdraw from the FIFO. Claimed (or unsure: a lost reply), the
@@ -533,10 +550,15 @@ class AccumulatorBase:
         ours = self._io("take_grad (finishing)", lambda: _scripts.call(
             self._conns.commands, "finish", keys, [taker]))  # fmt: skip
         if not int(ours):
-            raise AccumulatorError(
-                f"take_grad on {self._shared_name!r} read its round after its claim lease ran "
-                "out, and another taker took the round over; this take returns nothing"
-            )
+            raise AccumulatorError(self._taken_over_message())
+
+    def _taken_over_message(self) -> str:
+        return (
+            f"take_grad on {self._shared_name!r} read its round after its claim lease ran "
+            "out, and another taker took the round over; this take returns nothing"
+        )
+
+
     def _timeout_message(self, n: int, timeout: float) -> str:
         """TF's text, then what was there: which accumulator, how many of how many, when."""
         where = repr(self._shared_name)
@@ -584,9 +606,7 @@ class AccumulatorBase:
             logger.warning("could not withdraw taker %s from %s", taker, k.base, exc_info=True)
             return
         if outcome == 1:
-            logger.info(
-                "an interrupted take of %r gave its claimed round back", self._shared_name
-            )
+            logger.info("an interrupted take of %r gave its claimed round back", self._shared_name)
         elif outcome < 0:
             logger.error(
                 "an interrupted take of %r had claimed a round that cannot be given back (the "
@@ -595,26 +615,14 @@ class AccumulatorBase:
             )  # fmt: skip
 
     def _read_claim(self, entries: list[bytes], claim_key: str) -> tuple[Claim, list[bytes]]:
-        """The claimed round's payloads, and the payload keys it names (to free once used)."""
-        step, count, _, round_shape = _parse_header(entries[0])
-        payloads: list[bytes | None] = []
-        blob_keys: list[bytes] = []
+        """The claimed round (its payloads are read on demand, in chunks), and the payload keys
+        it names (to free once used)."""
+        step, count, nbytes, round_shape = _parse_header(entries[0])
+        sources: list[Source] = []
         for entry in entries[1:]:
-            if entry[:1] == b"i":
-                payloads.append(entry[1:])
-            elif entry[:1] == b"k" and self._keys.is_blob(entry[1:]):
-                payloads.append(None)
-                blob_keys.append(entry[1:])
-            else:  # the take script checked every entry: this is not ours to follow
+            keys = self._keys.entry_keys(entry)
+            if keys is None:  # the take script checked every entry: this is not ours to follow
                 raise AccumulatorError(f"corrupt entry in claim {claim_key}: {entry[:100]!r}")
-        if not blob_keys:
-            return Claim(step, count, round_shape, payloads), []  # type: ignore[arg-type]
-        commands = self._conns.commands
-        values = self._io("take_grad (reading)", lambda: commands.mget(blob_keys))
-        if any(v is None for v in values):
-            raise AccumulatorError(
-                f"gradient payloads of a claimed round are missing (claim {claim_key})"
-            )
-        it = iter(values)
-        full = [p if p is not None else next(it) for p in payloads]
-        return Claim(step, count, round_shape, cast("list[bytes]", full)), blob_keys
+            sources.append(entry[1:] if entry[:1] == b"i" else keys)
+        reader = ClaimReader(self._conns.commands, self._io, sources, claim_key)
+        return Claim(step, count, round_shape, nbytes, reader), reader.keys

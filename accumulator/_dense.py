@@ -12,12 +12,12 @@ from ._codec import (
     as_array,
     check_payload_size,
     format_shape,
-    from_payload,
     parse_shape_token,
     scalar_int,
     shape_compatible,
     shape_token,
     to_wire,
+    wire_dtype,
     wire_nbytes,
 )
 from ._core import MAX_PAYLOAD_BYTES, AccumulatorBase, Claim
@@ -89,8 +89,17 @@ class ConditionalAccumulator(AccumulatorBase):
         return self._take(num_required, timeout, self._reduce_claim)
 
     def _reduce_claim(self, claim: Claim) -> np.ndarray:
-        # runs before the take returns: if it fails (MemoryError...), the round goes back
+        """Stream the round in chunks into one preallocated result: part ``j`` of every
+        gradient is reduced as it arrives (elements are independent, so chunk by chunk is
+        bit for bit the sequential sum), whatever the number of gradients. Runs before the
+        take returns: if it fails (MemoryError...), the round goes back."""
         shape = claim.round_shape if claim.round_shape is not None else ()
-        grads = [from_payload(p, self.dtype, shape) for p in claim.payloads]
-        return _reduce.dense_reduce(grads, self.dtype, self.reduction_type)
-
+        out = np.empty(shape, self.dtype)
+        flat = out.reshape(-1).view(np.uint8)
+        if flat.nbytes == 0:
+            return out
+        wire = wire_dtype(self.dtype)
+        for start, stop, parts in claim.reader.chunks(flat.nbytes):
+            grads = [np.frombuffer(part, wire) for part in parts]
+            _reduce.reduce_into(flat[start:stop].view(self.dtype), grads, self.reduction_type)
+        return out

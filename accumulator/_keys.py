@@ -15,8 +15,12 @@ key                    type    contents
                                ``max_stale``, ``n_rejected``, ``n_taken``, ``last_take_ms``,
                                ``last_take_wait_ms``, ``created_ms``
 ``P{tag}:g``           list    the current round's gradients in apply order; each entry is
-                               ``b"i" + payload`` (small, inline) or ``b"k" + blob key``
-``P{tag}:b:<cid>:<n>`` string  one large gradient payload (raw little-endian bytes)
+                               ``b"i" + payload`` (small, inline), ``b"p<parts> " + blob``
+                               (large: in parts, see below) or ``b"k" + blob key`` (one key,
+                               written by schema 1 clients; still read)
+``P{tag}:b:<cid>:<n>:<i>`` string  part ``i`` of a large gradient payload (raw little-endian
+                               bytes): every part but the last is exactly
+                               :data:`accumulator._chunks.CHUNK_BYTES` long
 ``P{tag}:d:<cid>``     string  last apply of client ``cid`` (retry dedup): ``"<seq>"`` if
                                accepted, ``"<seq> 0"`` if dropped as stale
 ``P{tag}:t``           zset    waiting takers, scored by join order (the FIFO)
@@ -52,8 +56,10 @@ import re
 from dataclasses import dataclass
 from functools import cached_property
 
-SCHEMA_VERSION = 1
+#: 2: large payloads in parts (``p`` entries), which schema 1 clients cannot read.
+SCHEMA_VERSION = 2
 DEFAULT_PREFIX = "acc"
+MAX_PARTS = 1 << 20  # parts of one payload (1 TiB at 1 MiB): the scripts' bound too
 
 _ESCAPES_NAME = {"%": "%25", "{": "%7B", "}": "%7D"}
 _ESCAPES_CONTAINER = {**_ESCAPES_NAME, ":": "%3A"}
@@ -148,11 +154,45 @@ class Keys:
     def _blob_re(self) -> re.Pattern[bytes]:
         return re.compile(re.escape(self.base.encode()) + rb":b:[0-9a-fA-F]+:[0-9]+\Z")
 
+    @cached_property
+    def _part_re(self) -> re.Pattern[bytes]:
+        return re.compile(re.escape(self.base.encode()) + rb":b:[0-9a-fA-F]+:[0-9]+:[0-9]+\Z")
+
     def is_blob(self, key: bytes | str) -> bool:
-        """True for a payload key of this accumulator, in exactly the form the library writes
-        (the Python twin of the scripts' check): round entries are untrusted input."""
+        """True for a payload key (or payload part) of this accumulator, in exactly the form
+        the library writes (the Python twin of the scripts' check): round entries are
+        untrusted input."""
         raw = key.encode() if isinstance(key, str) else key
-        return self._blob_re.match(raw) is not None
+        return self._blob_re.match(raw) is not None or self._part_re.match(raw) is not None
+
+    def part(self, blob: str | bytes, index: int) -> bytes:
+        """Key of part ``index`` of the large payload ``blob``."""
+        raw = blob.encode() if isinstance(blob, str) else blob
+        return raw + b":%d" % index
+
+    def payload_keys(self, entries: list[bytes]) -> list[bytes]:
+        """Every payload key the given round entries name; entries naming anything but this
+        accumulator's own payload keys are skipped (untrusted input, never followed)."""
+        return [key for e in entries for key in (self.entry_keys(e) or ())]
+
+    def entry_keys(self, entry: bytes) -> list[bytes] | None:
+        """The payload keys a round entry names, in order (``[]`` for an inline payload), or
+        None when it names anything but this accumulator's own payload keys (the twin of
+        ``entry_keys`` in ``lua/_common.lua``)."""
+        kind = entry[:1]
+        if kind == b"i":
+            return []
+        if kind == b"k":
+            return [entry[1:]] if self._blob_re.match(entry[1:]) else None
+        if kind == b"p":
+            head, _, blob = entry[1:].partition(b" ")
+            if not (head.isdigit() and head[:1] != b"0" and len(head) <= 7):
+                return None
+            n = int(head)
+            if n > MAX_PARTS or not self._blob_re.match(blob):
+                return None
+            return [self.part(blob, i) for i in range(n)]
+        return None
 
     def dedup(self, client_id: str) -> str:
         return f"{self.base}:d:{client_id}"

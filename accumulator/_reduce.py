@@ -24,7 +24,7 @@ from typing import Any, cast
 import ml_dtypes
 import numpy as np
 
-__all__ = ["coalesce", "dense_reduce", "dense_sum", "divide", "sparse_merge"]
+__all__ = ["coalesce", "dense_reduce", "dense_sum", "divide", "reduce_into", "sparse_merge"]
 
 _REDUCTIONS = ("SUM", "MEAN")
 
@@ -99,7 +99,9 @@ def _all_abs_at_least(x: np.ndarray, bound: np.generic) -> bool:
     as zero, so any doubt answers False."""
     flat = x.reshape(-1)
     for start in range(0, flat.size, 8192):
-        if np.abs(flat[start : start + 8192]).min() < bound:
+        # fmin skips NaN (min would return NaN, and a NaN compares False: it would hide a
+        # subnormal of the same block)
+        if np.fmin.reduce(np.abs(flat[start : start + 8192])) < bound:
             return False
     return True
 
@@ -143,12 +145,8 @@ _BLOCK = 128 * 1024
 
 def _dense_float(grads: Sequence[np.ndarray], dtype: np.dtype, mean: bool) -> np.ndarray:
     """Fast path for float16/32/64: in-dtype sequential adds (and one division), with TF's
-    flush-to-zero emulated only when some input is small enough to need it. As on the FPU,
-    only arithmetic flushes: a lone gradient taken as SUM is a copy and keeps subnormals.
-
-    Elements are independent, so the work goes block by block (cache-sized): whether a block
-    needs flushing is decided from that block's inputs alone.
-    """
+    flush-to-zero emulated only when some input is small enough to need it (see
+    :func:`_float_into`)."""
     first = np.asarray(grads[0])
     flat = []
     for i, g in enumerate(grads):
@@ -157,12 +155,24 @@ def _dense_float(grads: Sequence[np.ndarray], dtype: np.dtype, mean: bool) -> np
             raise ValueError(f"gradient {i} has shape {g.shape}, expected {first.shape}")
         flat.append(np.ravel(g.astype(dtype, copy=False)))
     out = np.empty(first.shape, dtype=dtype)
-    out_flat = out.reshape(-1)
-    count = dtype.type(len(grads))
+    _float_into(out.reshape(-1), flat, dtype, mean)
+    return out
+
+
+def _float_into(out: np.ndarray, flat: Sequence[np.ndarray], dtype: np.dtype, mean: bool) -> None:
+    """``out`` (1-D) = the sequential sum (or mean) of ``flat`` (1-D, ``dtype``, same length).
+    As on the FPU, only arithmetic flushes: a lone gradient taken as SUM is a copy and keeps
+    subnormals.
+
+    Elements are independent, so the work goes block by block (cache-sized): whether a block
+    needs flushing is decided from that block's inputs alone. The same holds for any split of
+    the elements, so a caller may feed a large gradient chunk by chunk.
+    """
+    count = dtype.type(len(flat))
     ftz = _ftz(dtype)
     for start in range(0, max(out.size, 1), _BLOCK):
         part = slice(start, start + _BLOCK)
-        acc = out_flat[part]
+        acc = out[part]
         acc[...] = flat[0][part]
         flush = ftz and any(_has_small(g[part], dtype) for g in flat)
         for g in flat[1:]:
@@ -175,7 +185,31 @@ def _dense_float(grads: Sequence[np.ndarray], dtype: np.dtype, mean: bool) -> np
             np.true_divide(_flush(acc, dtype) if flush else acc, count, out=acc)
             if ftz:
                 _flush(acc, dtype)
-    return out
+
+
+def reduce_into(out: np.ndarray, grads: Sequence[np.ndarray], reduction: str) -> None:
+    """``out[...]`` = SUM or MEAN of ``grads`` (in apply order), all 1-D arrays of ``out``'s
+    dtype and length: :func:`dense_reduce` on a slice of the elements. The streaming take
+    calls it once per chunk; the result is the same bit for bit as one call on everything.
+    """
+    _check_reduction(reduction)
+    dtype = _check_dtype(out.dtype)
+    if not grads:
+        raise ValueError("reduce_into needs at least one gradient")
+    for i, g in enumerate(grads):
+        if g.shape != out.shape:
+            raise ValueError(
+                f"gradient {i} is {g.dtype}{list(g.shape)}, expected {dtype}{list(out.shape)}"
+            )
+    mean = reduction == "MEAN"
+    if dtype.kind == "f":
+        _float_into(out, grads, dtype, mean)
+        return
+    out[...] = grads[0]
+    for g in grads[1:]:
+        np.add(out, g, out=out)
+    if mean:
+        out[...] = _divide(out, _as_counts(out, len(grads)), dtype, inplace=True)
 
 
 def dense_sum(grads: Sequence[np.ndarray], dtype: np.dtype) -> np.ndarray:

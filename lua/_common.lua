@@ -109,11 +109,66 @@ local function own_keys(suffixes)
 end
 
 -- A key under '<base>:<kind>:' followed by exactly what the library puts there: blob keys
--- ('b') are '<client id hex>:<seq>', claim keys ('c') '<pid>-<hex>', dedup keys ('d') hex.
-local KEY_TAILS = {b = '^%x+:%d+$', c = '^%d+%-%x+$', d = '^%x+$'}
+-- ('b') are '<client id hex>:<seq>', claim keys ('c') '<pid>-<hex>', dedup keys ('d') hex,
+-- payload parts ('p', under ':b:' too) '<client id hex>:<seq>:<part>'.
+local KEY_TAILS = {b = '^%x+:%d+$', c = '^%d+%-%x+$', d = '^%x+$', p = '^%x+:%d+:%d+$'}
 local function is_own(base, key, kind)
-  local head = base .. ':' .. kind .. ':'
+  local head = base .. ':' .. (kind == 'p' and 'b' or kind) .. ':'
   return string.sub(key, 1, #head) == head and string.find(key, KEY_TAILS[kind], #head + 1) ~= nil
+end
+
+-- Large payloads are stored in parts of CHUNK bytes (the last one shorter), never one value:
+-- no command moves more than a chunk. accumulator/_chunks.py has the same number.
+local CHUNK = 1048576
+local MAX_PARTS = 1048576
+
+-- The payload keys a round entry names, or nil and why not. Entries: 'i' .. payload (inline,
+-- no key), 'k' .. blob key (one key), 'p' .. n .. ' ' .. blob key (parts blob:0 .. blob:n-1).
+-- Only this accumulator's own payload keys are ever named: anything else is 'foreign'.
+local function entry_keys(base, entry)
+  local kind = string.sub(entry, 1, 1)
+  if kind == 'i' then return {} end
+  if kind == 'k' then
+    local key = string.sub(entry, 2)
+    if is_own(base, key, 'b') then return {key} end
+    return nil, 'foreign'
+  end
+  if kind == 'p' then
+    local n, blob = string.match(entry, '^p([1-9]%d?%d?%d?%d?%d?%d?) (.+)$')
+    n = tonumber(n)
+    if not n or n > MAX_PARTS or not is_own(base, blob, 'b') then return nil, 'foreign' end
+    local keys = {}
+    for i = 0, n - 1 do keys[#keys + 1] = blob .. ':' .. i end
+    return keys
+  end
+  return nil, 'foreign'
+end
+
+-- UNLINK any number of keys (Lua's unpack stops at a few thousand values).
+local function unlink_all(keys)
+  for i = 1, #keys, 1000 do
+    redis.call('UNLINK', unpack(keys, i, math.min(i + 999, #keys)))
+  end
+end
+
+-- The payload length of an entry whose keys are `keys` (from entry_keys), or nil and why not:
+-- every part but the last exactly CHUNK bytes, none empty or missing.
+local function entry_length(entry, keys)
+  local kind = string.sub(entry, 1, 1)
+  if kind == 'i' then return #entry - 1 end
+  if kind == 'k' then
+    local len = redis.call('STRLEN', keys[1])
+    if len == 0 then return nil, 'missing' end
+    return len
+  end
+  local total = 0
+  for i, key in ipairs(keys) do
+    local len = redis.call('STRLEN', key)
+    if len == 0 then return nil, 'missing' end
+    if len > CHUNK or (i < #keys and len ~= CHUNK) then return nil, 'part ' .. (i - 1) .. ' length ' .. len end
+    total = total + len
+  end
+  return total
 end
 
 -- Permission checks before the first write: a script that fails half-way leaves its earlier

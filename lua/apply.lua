@@ -3,7 +3,9 @@
 -- KEYS[1] state  KEYS[2] grads list  KEYS[3] dedup key of this client  KEYS[4] takers zset
 -- KEYS[5] taker info hash  KEYS[6] head wake list  KEYS[7] blob key (unused when inline)
 -- ARGV[1] schema  ARGV[2] client seq  ARGV[3] local_step  ARGV[4] shape token
--- ARGV[5] 'i' inline | 'k' blob key  ARGV[6] 'i' .. inline payload  ARGV[7] payload bytes
+-- ARGV[5] 'i' inline | 'k' one blob key | 'p' parts KEYS[7]:0 .. :n-1 of CHUNK bytes each (the
+--         last one shorter), n = ceil(payload bytes / CHUNK)
+-- ARGV[6] 'i' .. inline payload  ARGV[7] payload bytes
 -- ARGV[8] dedup ttl ms  ARGV[9] why the gradient may not open a round ('' = it may): the
 --         client's check against the declared shape, which TF applies to a round's first
 --         gradient only (later ones are compared with the round shape)
@@ -18,18 +20,28 @@ local base, kerr = own_keys({':g', '', ':t', ':ti', ':w', ''})
 if not base then return kerr end
 if not is_own(base, dedup, 'd') or not is_own(base, blob, 'b') then return acc_error('BADKEY') end
 local seq, inline, nbytes = ARGV[2], ARGV[5] == 'i', ARGV[7]
-if not (is_count(seq) and is_int64(ARGV[3]) and (inline or ARGV[5] == 'k')
+if not (is_count(seq) and is_int64(ARGV[3]) and (inline or ARGV[5] == 'k' or ARGV[5] == 'p')
     and string.find(ARGV[4], '^[%d,]*$') and is_count(nbytes) and is_count(ARGV[8])
     and (not inline or (string.sub(ARGV[6], 1, 1) == 'i' and #ARGV[6] - 1 == tonumber(nbytes)))) then
   return acc_error('BADARG apply')
 end
+local entry = 'k' .. blob
+if ARGV[5] == 'p' then
+  local parts = math.ceil(tonumber(nbytes) / CHUNK)
+  if parts < 1 or parts > MAX_PARTS then return acc_error('BADARG apply parts') end
+  entry = 'p' .. int_str(parts) .. ' ' .. blob
+end
+local payload_keys = inline and {} or entry_keys(base, entry)
+local function drop_payload()  -- nobody will ever reference it
+  if #payload_keys > 0 then unlink_all(payload_keys) end
+end
 local err, st = read_state(state, ARGV[1], {'step', 'count', 'rshape', 'ttl', 'bytes',
   'n_applied', 'maxbytes'})
 if err then
-  if not inline then redis.call('DEL', blob) end  -- nobody will ever reference it
+  drop_payload()
   return err
 end
-err = check_acl({{'GET', dedup}, {'SET', dedup}, {'DEL', blob}, {'HSET', state},
+err = check_acl({{'GET', dedup}, {'SET', dedup}, {'UNLINK', blob}, {'HSET', state},
   {'HINCRBY', state}, {'RPUSH', grads}, {'PEXPIRE', state}, {'PERSIST', blob},
   {'ZRANGE', KEYS[4]}, {'HGET', KEYS[5]}, {'RPUSH', KEYS[6]}, {'LTRIM', KEYS[6]}})
 if err then return err end
@@ -43,21 +55,22 @@ if prev then
   if pseq == seq then
     redis.call('PEXPIRE', dedup, ARGV[8])
     -- the retry re-sent the payload with SET NX: a dropped one must not linger
-    if pres == '0' and not inline then redis.call('DEL', blob) end
+    if pres == '0' then drop_payload() end
     return {pres == '0' and 0 or 1, step, count, 1}
   end
 end
 
 -- The payload must be there, whole: a SET refused at maxmemory, an evicted or tampered key
 -- would otherwise be accepted here and fail the take that claims it.
-if not inline and redis.call('STRLEN', blob) ~= tonumber(nbytes) then
-  return acc_error('NOBLOB ' .. blob)
+if not inline then
+  local len = entry_length(entry, payload_keys)
+  if len ~= tonumber(nbytes) then return acc_error('NOBLOB ' .. blob) end
 end
 
 local function refuse(code, detail)
   -- refused input is not remembered: a retry is judged again (it changed nothing)
   redis.call('HINCRBY', state, 'n_rejected', 1)
-  if not inline then redis.call('DEL', blob) end
+  drop_payload()
   return {code, step, count, 0, detail}
 end
 
@@ -68,7 +81,7 @@ if int_cmp(local_step, step) < 0 then
   redis.call('HSET', state, 'n_stale', int_str(tonumber(s[1]) + 1),
     'stale_steps', int_str(tonumber(s[2]) + behind),
     'max_stale', int_str(math.max(tonumber(s[3]), behind)))
-  if not inline then redis.call('DEL', blob) end
+  drop_payload()
   redis.call('SET', dedup, seq .. ' 0', 'PX', ARGV[8])  -- "<seq>" alone means accepted
   return {0, step, count, 0}
 end
@@ -87,15 +100,15 @@ redis.call('SET', dedup, seq, 'PX', ARGV[8])
 if inline then
   redis.call('RPUSH', grads, ARGV[6])  -- already tagged 'i' by the client (no copy here)
 else
-  redis.call('RPUSH', grads, 'k' .. blob)
+  redis.call('RPUSH', grads, entry)
 end
 count = count + 1
 redis.call('HSET', state, 'count', int_str(count), 'bytes', int_str(total),
   'n_applied', int_str(tonumber(st.n_applied) + 1), 'rshape', ARGV[4])
 local ttl = touch(state, {state, grads}, st.ttl)
-if not inline then
-  -- the payload was written with an orphan expiry; accepted, it lives as long as the round
-  if ttl > 0 then redis.call('PEXPIRE', blob, ttl) else redis.call('PERSIST', blob) end
+-- the payload was written with an orphan expiry; accepted, it lives as long as the round
+for _, key in ipairs(payload_keys) do
+  if ttl > 0 then redis.call('PEXPIRE', key, ttl) else redis.call('PERSIST', key) end
 end
 wake_head(state, KEYS[4], KEYS[5], KEYS[6], count)
 return {1, step, count, 0}

@@ -11,7 +11,7 @@ if not base then return kerr end
 local claim, me = KEYS[2], ARGV[1]
 if claim ~= base .. ':c:' .. me or not is_own(base, claim, 'c') then return acc_error('BADARG finish') end
 for i = 4, #KEYS do
-  if not is_own(base, KEYS[i], 'b') then return acc_error('BADKEY ' .. i) end
+  if not (is_own(base, KEYS[i], 'b') or is_own(base, KEYS[i], 'p')) then return acc_error('BADKEY ' .. i) end
 end
 local err = check_acl({{'HSET', KEYS[3]}, {'UNLINK', claim}, {'UNLINK', base .. ':b:0:0'}})
 if err then return err end
@@ -21,6 +21,6 @@ if not string.find(mark, '^done ') then
   redis.call('HSET', KEYS[3], me, 'done ' .. int_str(now_ms()))
   local keys = {claim}
   for i = 4, #KEYS do keys[#keys + 1] = KEYS[i] end
-  redis.call('UNLINK', unpack(keys))
+  unlink_all(keys)
 end
 return 1

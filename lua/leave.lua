@@ -59,8 +59,7 @@ redis.call('RENAME', claim, grads)
 local ttl = touch(state, {grads}, st.ttl)
 if ttl == 0 then redis.call('PERSIST', grads) end
 for i = 2, #entries do
-  local key = string.sub(entries[i], 2)
-  if string.sub(entries[i], 1, 1) == 'k' and is_own(base, key, 'b') then
+  for _, key in ipairs(entry_keys(base, entries[i]) or {}) do
     -- a reading take may have set a short expiry on it (freed by the next take)
     if ttl > 0 then redis.call('PEXPIRE', key, ttl) else redis.call('PERSIST', key) end
   end

@@ -17,8 +17,7 @@ if err then return err end
 local entries = redis.call('LRANGE', grads, 0, -1)
 local blobs = {#entries}
 for _, entry in ipairs(entries) do
-  local key = string.sub(entry, 2)
-  if string.sub(entry, 1, 1) == 'k' and is_own(base, key, 'b') then table.insert(blobs, key) end
+  for _, key in ipairs(entry_keys(base, entry) or {}) do blobs[#blobs + 1] = key end
 end
 redis.call('DEL', grads, KEYS[3])
 redis.call('HSET', state, 'count', 0, 'bytes', 0)

@@ -1,6 +1,7 @@
 -- sync_lease: the chief lease of a sync job (accumulator.sync): one chief per job.
 -- KEYS[1] lease hash (accsync:{tag}:chief: id, host, pid, since_ms, renewed_ms, expires_ms)
--- ARGV[1] 'acquire' (also renews) | 'release'  ARGV[2] chief id  ARGV[3] lease ms
+-- ARGV[1] 'acquire' (also renews) | 'renew' (only a lease this chief holds: a deleted job's
+--         lease is not brought back) | 'release'  ARGV[2] chief id  ARGV[3] lease ms
 -- ARGV[4] host  ARGV[5] pid  ARGV[6] ms the record of an expired lease is kept (for
 --         `accumulator job`)
 -- acquire: {1, id of an expired holder taken over or ''} or, when another chief's lease runs,
@@ -17,6 +18,11 @@ if ARGV[1] == 'release' then
   return {0}
 end
 local expires = tonumber(cur[2] or '') or 0
+if ARGV[1] == 'renew' and holder ~= ARGV[2] then
+  if not holder then return {0, '', '', '', '0', '0'} end
+elseif ARGV[1] ~= 'acquire' and ARGV[1] ~= 'renew' then
+  return acc_error('BADARG sync_lease')
+end
 if holder and holder ~= ARGV[2] and expires > now then
   local renewed = tonumber(cur[5] or '') or now
   return {0, holder, cur[3] or '', cur[4] or '', int_str(expires - now), int_str(now - renewed)}

@@ -137,24 +137,18 @@ if not queued and count >= n then
   local entries = redis.call('LRANGE', grads, 0, -1)
   local total, bad = 0, {}
   for i, entry in ipairs(entries) do
-    local kind, len, why = string.sub(entry, 1, 1), nil, nil
-    if kind == 'i' then
-      len = #entry - 1
-    elseif kind == 'k' and is_own(base, string.sub(entry, 2), 'b') then
-      len = redis.call('STRLEN', string.sub(entry, 2))
-      if len == 0 then why = 'missing' end
-    else
-      why = 'foreign'
-    end
+    local keys, why = entry_keys(base, entry)
+    local len
+    if keys then len, why = entry_length(entry, keys) end
     if not why and not fits(len) then why = 'length ' .. len end
-    if why then bad[#bad + 1] = {i, why, entry} else total = total + len end
+    if why then bad[#bad + 1] = {i, why, entry, keys} else total = total + len end
   end
   if #bad > 0 then
     for _, b in ipairs(bad) do
       redis.call('LSET', grads, b[1] - 1, '\0bad')
       redis.call('RPUSH', KEYS[8], b[2] .. ' ' .. b[3])
-      -- a payload key of ours with the wrong length is unusable: free it (never a foreign one)
-      if b[2] ~= 'foreign' and b[2] ~= 'missing' then redis.call('UNLINK', string.sub(b[3], 2)) end
+      -- payload keys of ours in an unusable entry are freed (a foreign key is never touched)
+      if b[4] then unlink_all(b[4]) end
     end
     redis.call('LREM', grads, 0, '\0bad')
     count = #entries - #bad

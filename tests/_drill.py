@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 import redis
+from _helpers import entry_payload
 
 import accumulator
 from accumulator._core import INLINE_MAX_BYTES
@@ -556,7 +557,7 @@ class Drill:
                 "pid": pid, "pttl_ms": r.pttl(key), "entries": len(entries)
             }  # fmt: skip
             for entry in entries:
-                payload = r.get(entry[1:]) if entry[:1] == b"k" else entry[1:]
+                payload = entry_payload(r, entry)
                 if payload is None:
                     continue
                 for u in np.flatnonzero(np.frombuffer(payload, DTYPE)).tolist():

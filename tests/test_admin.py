@@ -12,6 +12,7 @@ import msgpack
 import numpy as np
 import pytest
 import redis
+from _helpers import entry_key_names
 
 import accumulator
 from accumulator import _admin, _scripts
@@ -253,14 +254,8 @@ def test_describe_claims_left_behind(make: Callable[..., Any], r: redis.Redis) -
     assert info.count == 0 and info.step == 1
     assert info.stray_keys == 0  # the claim's payload keys are accounted for
     assert info.retry_buffers == 0
-    r.unlink(big._keys.blob(*_first_blob_parts(r, claim.key)))
+    r.unlink(entry_key_names(r.lrange(claim.key, 1, -1)[0])[0])
     assert _admin.describe(r, "crashy").claims[0].missing_blobs == 1
-
-
-def _first_blob_parts(r: redis.Redis, claim_key: str) -> tuple[str, int]:
-    entry = next(e for e in r.lrange(claim_key, 1, -1) if e[:1] == b"k")
-    cid, seq = entry[1:].decode().rsplit(":", 2)[-2:]
-    return cid, int(seq)
 
 
 def test_finished_takes_are_not_left_behind(make: Callable[..., Any], r: redis.Redis) -> None:
@@ -343,7 +338,7 @@ def test_reset_drops_pending_gradients(make: Callable[..., Any], r: redis.Redis)
     acc.apply_grad(np.ones(BIG), local_step=0)
     acc.apply_grad(np.ones(BIG), local_step=0)
     acc.set_global_step(4)
-    payload_keys = [e[1:] for e in r.lrange(Keys("", "round").grads, 0, -1) if e[:1] == b"k"]
+    payload_keys = [k for e in r.lrange(Keys("", "round").grads, 0, -1) for k in entry_key_names(e)]
     assert len(payload_keys) == 2 and r.exists(*payload_keys) == 2
 
     assert _admin.reset(r, "round") == 2

@@ -255,10 +255,10 @@ def test_dense_apply_bad_gradient(target, dense, case, step):
         refused(target, lambda apply=apply: apply(grad, step), match)
 
 
-@pytest.mark.parametrize("grad", [HUGE, np.broadcast_to(np.int8(1), (2**30,))], ids=["f64", "i8"])
+@pytest.mark.parametrize("grad", [HUGE, np.broadcast_to(np.int8(1), (2**35,))], ids=["f64", "i8"])
 def test_dense_apply_huge_view_to_unknown_shape(target, unknown, grad):
-    """A broadcast view that fits the declared shape but not in one Redis value: refused from
-    its metadata, without building the 32 GiB payload."""
+    """A broadcast view that fits the declared shape but is larger than a payload may be
+    (16 GiB): refused from its metadata, without building the 32 GiB payload."""
     refused(target, lambda: unknown.apply_grad(grad, local_step=STEP), "exceeds")
 
 
@@ -531,7 +531,7 @@ def test_sparse_apply_huge_views_to_unknown_shape(target):
     )
     refused(
         target,
-        lambda: acc.apply_grad([0, 1], np.broadcast_to(np.float64(1), (2, 2**30))),
+        lambda: acc.apply_grad([0, 1], np.broadcast_to(np.float64(1), (2, 2**32))),
         "exceeds",
     )
     n = 2**33  # 64 GiB of int64 indices, zero-width values

@@ -10,6 +10,7 @@ import time
 import numpy as np
 import pytest
 import redis
+from _helpers import entry_key_names
 
 import accumulator
 from accumulator import _reduce, _scripts
@@ -57,11 +58,12 @@ def test_a_forged_entry_never_makes_a_take_read_or_delete_a_foreign_key(target, 
     r.set("prod:secret", b"x" * 24)
     other = make(target, "other", shape=LARGE)
     other.apply_grad(np.ones(LARGE))
-    other_blob = r.lrange(other._keys.grads, 0, -1)[0][1:]
+    other_entry = r.lrange(other._keys.grads, 0, -1)[0]
+    other_blob = entry_key_names(other_entry)[0]
     acc = make(target, shape=shape)
     acc.apply_grad(np.ones(shape))
     forge_entry(r, acc, b"kprod:secret")
-    forge_entry(r, acc, b"k" + other_blob)  # another accumulator's payload: not ours either
+    forge_entry(r, acc, other_entry)  # another accumulator's payload: not ours either
     forge_entry(r, acc, b"zjunk")
     acc.apply_grad(np.full(shape, 3.0))
     assert acc.num_accumulated() == 5
@@ -69,7 +71,7 @@ def test_a_forged_entry_never_makes_a_take_read_or_delete_a_foreign_key(target, 
     np.testing.assert_array_equal(acc.take_grad(2, timeout=5), np.full(shape, 2.0))
     assert "quarantined 3" in caplog.text
     assert r.get("prod:secret") == b"x" * 24
-    assert r.lrange(other._keys.grads, 0, -1)[0][1:] == other_blob and r.exists(other_blob)
+    assert r.lrange(other._keys.grads, 0, -1)[0] == other_entry and r.exists(other_blob)
     assert other.take_grad(1).sum() == np.prod(LARGE)
     quarantine = r.lrange(acc._keys.quarantine, 0, -1)
     assert sorted(q.split(b" ", 1)[0] for q in quarantine) == [b"foreign"] * 3
@@ -114,7 +116,7 @@ def test_a_missing_or_resized_payload_is_quarantined_not_claimed(target):
     acc = make(target, shape=LARGE)
     for value in (1.0, 2.0, 3.0):
         acc.apply_grad(np.full(LARGE, value))
-    first, second, _ = (e[1:] for e in r.lrange(acc._keys.grads, 0, -1))
+    first, second, _ = (entry_key_names(e)[0] for e in r.lrange(acc._keys.grads, 0, -1))
     r.delete(first)  # evicted, expired, or deleted by hand
     r.set(second, b"short")  # overwritten
     with pytest.raises(accumulator.DeadlineExceededError):
@@ -194,7 +196,7 @@ def test_a_take_that_fails_after_claiming_gives_the_round_back(target, shape, mo
     acc = make(target, shape=shape)
     acc.apply_grad(np.ones(shape))
     acc.apply_grad(np.full(shape, 3.0))
-    monkeypatch.setattr(_reduce, "dense_reduce", raising(MemoryError))
+    monkeypatch.setattr(_reduce, "reduce_into", raising(MemoryError))
     with pytest.raises(MemoryError):
         acc.take_grad(2)
     assert acc.global_step() == 0 and acc.num_accumulated() == 2
@@ -372,7 +374,14 @@ def test_a_longer_outage_raises_unavailable(own_server):
 
 def test_keys_helper_recognises_only_own_blob_keys():
     k = Keys("c", "n")
-    assert k.is_blob(k.blob("0a1b", 7))
+    assert k.is_blob(k.blob("0a1b", 7)) and k.is_blob(k.part(k.blob("0a1b", 7), 3))
     for bad in ("prod:secret", k.blob("0a1b", 7) + "\n", k.blob("xyz", 1), k.base + ":b:",
-                Keys("c", "m").blob("ab", 1), k.base + ":b:ab:1:2"):  # fmt: skip
+                Keys("c", "m").blob("ab", 1), k.base + ":b:ab:1:2:3",
+                k.base + ":b:ab:1:"):  # fmt: skip
         assert not k.is_blob(bad), bad
+    blob = k.blob("0a1b", 7).encode()
+    assert k.entry_keys(b"p2 " + blob) == [blob + b":0", blob + b":1"]
+    assert k.entry_keys(b"k" + blob) == [blob] and k.entry_keys(b"ix") == []
+    for bad_entry in (b"p0 " + blob, b"p01 " + blob, b"p2 prod:secret", b"p2 " + blob + b":1",
+                      b"p2" + blob, b"p99999999 " + blob, b"k" + blob + b":1", b"zz"):  # fmt: skip
+        assert k.entry_keys(bad_entry) is None, bad_entry

@@ -80,6 +80,7 @@ import numpy as np
 import pytest
 import redis
 from _drill import _describe, _Log
+from _helpers import entry_payload
 
 import accumulator
 from accumulator._keys import Keys
@@ -558,7 +559,7 @@ def _left_by(r: redis.Redis, name: str, pid: int) -> tuple[str, set[int]]:
         )  # fmt: skip
         entries = r.lrange(key, 1, -1)
         for entry in entries:
-            payload = r.get(entry[1:]) if entry[:1] == b"k" else entry[1:]
+            payload = entry_payload(r, entry)
             if payload is not None:
                 ids.update(np.flatnonzero(np.frombuffer(payload, DTYPE)).tolist())
         out.append(f"claim of {len(entries)} gradients ({lease})")

@@ -139,13 +139,18 @@ class _ChiefLease:
     def _beat(self) -> None:
         while not self._stop.wait(self.seconds / 3):
             try:
-                reply = self._call("acquire")
+                reply = self._call("renew")
             except Exception as exc:  # noqa: BLE001 - Redis away: the next beat tries again
                 logger.debug("sync job %r: renewing the chief lease failed: %s", self.job, exc)
                 continue
             if int(reply[0]) != 1:
-                conflict = self._conflict(reply)
-                self.lost = f"this chief lost its lease: {conflict}"
+                if _text(reply[1]):
+                    self.lost = f"this chief lost its lease: {self._conflict(reply)}"
+                else:
+                    self.lost = (
+                        f"this chief's lease of sync job {self.job!r} is gone (the job was "
+                        "deleted, or Redis lost its data)"
+                    )
                 logger.error("sync job %r: %s", self.job, self.lost)
                 return
 

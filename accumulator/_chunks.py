@@ -1,0 +1,39 @@
+"""Chunk plans for large payloads (pure functions, no I/O).
+
+A payload larger than :data:`accumulator._core.INLINE_MAX_BYTES` is stored in parts of
+:data:`CHUNK_BYTES` (the last one shorter) under its own keys, and read back the same way:
+no single Redis command moves more than one chunk. Measured on this project's machines
+(``shared/notes/redis-facts.md``): 1-2 MiB values are the sweet spot; smaller ones pay
+per-command overhead, and from 8 MiB up every value costs the server far more.
+
+The scripts know the same number (``CHUNK`` in ``lua/_common.lua``); a test checks they agree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+#: Bytes per part of a large payload (a multiple of every dtype's item size).
+CHUNK_BYTES = 1 << 20
+
+#: Bytes a streaming reader asks for per round trip (all gradients of a few parts).
+WINDOW_BYTES = 8 << 20
+
+
+def n_parts(nbytes: int, chunk: int = CHUNK_BYTES) -> int:
+    """How many parts a payload of ``nbytes`` is stored in (at least one)."""
+    return max(1, -(-nbytes // chunk))
+
+
+def part_ranges(nbytes: int, chunk: int = CHUNK_BYTES) -> list[tuple[int, int]]:
+    """``(start, stop)`` byte offsets of every part of a payload of ``nbytes``."""
+    return [(i * chunk, min((i + 1) * chunk, nbytes)) for i in range(n_parts(nbytes, chunk))]
+
+
+def windows(parts: int, sources: int, window: int = WINDOW_BYTES,
+            chunk: int = CHUNK_BYTES) -> Iterator[range]:  # fmt: skip
+    """Part indices to fetch per round trip when ``sources`` payloads of ``parts`` parts
+    each are read side by side: about ``window`` bytes at a time, at least one part."""
+    step = max(1, window // max(1, sources * chunk))
+    for first in range(0, parts, step):
+        yield range(first, min(first + step, parts))

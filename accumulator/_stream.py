@@ -1,0 +1,120 @@
+"""Reading a claimed round's payloads in chunks (the I/O edge of the take).
+
+A round entry is an inline payload or names payload keys (``Keys.entry_keys``). Dense takes
+stream: part ``j`` of every gradient arrives together, gets reduced into the result, and is
+dropped, so a take holds one result plus a window of parts whatever the number of gradients.
+Sparse takes need whole payloads (rows of different gradients do not line up by offset) and
+read them part by part.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeAlias
+
+import redis
+
+from . import _chunks
+from ._errors import AccumulatorError
+
+#: A gradient's payload as a claim names it: the bytes (inline) or its part keys in order.
+Source: TypeAlias = bytes | list[bytes]
+
+
+class ClaimReader:
+    """Reads the payloads of one claimed round; ``io(what, fn)`` runs ``fn`` with the
+    accumulator's retries (reads are idempotent)."""
+
+    def __init__(
+        self,
+        commands: redis.Redis,
+        io: Callable[[str, Callable[[], Any]], Any],
+        sources: Sequence[Source],
+        claim_key: str,
+    ) -> None:
+        self._commands = commands
+        self._io = io
+        self.sources = list(sources)
+        self._claim_key = claim_key
+
+    @property
+    def keys(self) -> list[bytes]:
+        """Every payload key the round names (freed once the take is finished)."""
+        return [key for s in self.sources if isinstance(s, list) for key in s]
+
+    def _fetch(self, requests: list[tuple[bytes, int, int, bool]]) -> list[bytes]:
+        """GET (whole part) or GETRANGE of each ``(key, start, stop, whole)``, in one pipeline;
+        every value must be there at the expected length."""
+
+        def run() -> list[Any]:
+            pipe = self._commands.pipeline(transaction=False)
+            for key, start, stop, whole in requests:
+                if whole:
+                    pipe.get(key)
+                else:
+                    pipe.getrange(key, start, stop - 1)
+            return pipe.execute()
+
+        values = self._io("take_grad (reading)", run)
+        for (key, start, stop, _), value in zip(requests, values, strict=True):
+            if value is None or len(value) != stop - start:
+                raise AccumulatorError(
+                    f"gradient payload {key[-60:]!r} of a claimed round is missing or has the "
+                    f"wrong length (claim {self._claim_key})"
+                )
+        return list(values)
+
+    def _fetch_whole(self, keys: list[bytes]) -> list[bytes]:
+        def run() -> list[Any]:
+            pipe = self._commands.pipeline(transaction=False)
+            for key in keys:
+                pipe.get(key)
+            return pipe.execute()
+
+        values = self._io("take_grad (reading)", run)
+        for key, value in zip(keys, values, strict=True):
+            if value is None:
+                raise AccumulatorError(
+                    f"gradient payload {key[-60:]!r} of a claimed round is missing "
+                    f"(claim {self._claim_key})"
+                )
+        return list(values)
+
+    def chunks(self, nbytes: int) -> Iterator[tuple[int, int, list[Any]]]:
+        """``(start, stop, parts)`` for every chunk of payloads of ``nbytes`` each: ``parts``
+        holds bytes ``[start, stop)`` of every gradient, in apply order (bytes-like)."""
+        ranges = _chunks.part_ranges(nbytes)
+        remote = sum(1 for s in self.sources if not isinstance(s, bytes))
+        for window in _chunks.windows(len(ranges), max(1, remote)):
+            requests: list[tuple[bytes, int, int, bool]] = []
+            for j in window:
+                start, stop = ranges[j]
+                for s in self.sources:
+                    if isinstance(s, bytes):
+                        continue
+                    if len(s) == 1 and len(ranges) > 1:
+                        requests.append((s[0], start, stop, False))  # one key: a range of it
+                    else:
+                        requests.append((s[j], 0, stop - start, True))
+            fetched = iter(self._fetch(requests)) if requests else iter(())
+            for j in window:
+                start, stop = ranges[j]
+                parts = [
+                    memoryview(s)[start:stop] if isinstance(s, bytes) else next(fetched)
+                    for s in self.sources
+                ]
+                yield start, stop, parts
+
+    def payloads(self) -> list[bytes]:
+        """Every gradient's whole payload, in apply order."""
+        out: list[bytes] = []
+        for s in self.sources:
+            if isinstance(s, bytes):
+                out.append(s)
+                continue
+            pieces: list[bytes] = []
+            for window in _chunks.windows(len(s), 1):
+                # the lengths are the take script's to check: parts of a sparse payload
+                pieces += self._fetch_whole([s[j] for j in window])
+            out.append(pieces[0] if len(pieces) == 1 else b"".join(pieces))
+        return out

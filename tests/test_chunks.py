@@ -1,0 +1,217 @@
+"""Large gradients in chunks: parts of one chunk each on the way in, streamed reduction on the
+way out, no Redis value (and no command) larger than a chunk, the taker's memory bounded by
+one result plus a window of parts, whatever the number of gradients."""
+
+from __future__ import annotations
+
+import re
+import tracemalloc
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+import redis
+from _helpers import entry_key_names
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import accumulator
+from accumulator import _chunks, _reduce
+from accumulator._keys import MAX_PARTS, Keys
+
+CHUNK = _chunks.CHUNK_BYTES
+LUA = Path(__file__).resolve().parents[1] / "lua" / "_common.lua"
+
+
+def make(target, shared_name="big", shape=(1,), dtype=np.float32, **kw):
+    return accumulator.ConditionalAccumulator(
+        dtype, shape=shape, shared_name=shared_name, client=target.client(), **kw
+    )
+
+
+def payload_sizes(r, acc) -> dict[bytes, int]:
+    keys = Keys(acc.container, acc.shared_name or "")
+    return {k: r.strlen(k) for k in r.scan_iter(match=keys.pattern) if b":b:" in k}
+
+
+# -- the plan (pure) ----------------------------------------------------------------------------
+
+
+def test_the_scripts_and_the_client_agree_on_the_chunk():
+    text = LUA.read_text()
+    assert int(re.search(r"^local CHUNK = (\d+)$", text, re.M).group(1)) == CHUNK
+    assert int(re.search(r"^local MAX_PARTS = (\d+)$", text, re.M).group(1)) == MAX_PARTS
+
+
+@given(st.integers(1, 10 * CHUNK))
+def test_parts_cover_a_payload_exactly(nbytes):
+    ranges = _chunks.part_ranges(nbytes)
+    assert len(ranges) == _chunks.n_parts(nbytes)
+    assert ranges[0][0] == 0 and ranges[-1][1] == nbytes
+    assert all(b - a == CHUNK for a, b in ranges[:-1])
+    assert 0 < ranges[-1][1] - ranges[-1][0] <= CHUNK
+    assert all(ranges[i][1] == ranges[i + 1][0] for i in range(len(ranges) - 1))
+
+
+@given(st.integers(1, 3000), st.integers(1, 64))
+def test_windows_visit_every_part_once(parts, sources):
+    seen = [j for w in _chunks.windows(parts, sources) for j in w]
+    assert seen == list(range(parts))
+    assert all(len(w) * sources * CHUNK <= max(_chunks.WINDOW_BYTES, sources * CHUNK)
+               for w in _chunks.windows(parts, sources))  # fmt: skip
+
+
+DTYPES = [np.float32, np.float64, np.float16, ml_dtypes.bfloat16, np.int8, np.int32,
+          np.uint16, np.complex64]  # fmt: skip
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.sampled_from(DTYPES), st.integers(1, 5), st.integers(1, 3000), st.data(),
+    st.sampled_from(["SUM", "MEAN"]),
+)  # fmt: skip
+def test_reducing_chunk_by_chunk_is_the_whole_reduction_bit_for_bit(dtype, w, n, data, reduction):
+    dtype = np.dtype(dtype)
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    raw = rng.integers(0, 256, size=(w, n * dtype.itemsize), dtype=np.uint8)
+    grads = [row.view(dtype) for row in raw]  # every bit pattern: subnormals, inf, nan
+    with np.errstate(all="ignore"):
+        whole = _reduce.dense_reduce(grads, dtype, reduction)
+    cuts = sorted(set(data.draw(st.lists(st.integers(0, n), max_size=6))) | {0, n})
+    out = np.empty(n, dtype)
+    with np.errstate(all="ignore"):
+        for a, b in zip(cuts, cuts[1:], strict=False):
+            _reduce.reduce_into(out[a:b], [g[a:b] for g in grads], reduction)
+    assert out.tobytes() == whole.tobytes()
+
+
+# -- through Redis ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("reduction", ["SUM", "MEAN"])
+def test_a_gradient_of_several_parts_round_trips_exactly(target, reduction):
+    shape = (3 * CHUNK // 16 + 123, 4)  # 3 MiB + 1968 bytes of float32: 4 parts, the last short
+    rng = np.random.default_rng(7)
+    grads = [rng.standard_normal(shape).astype(np.float32) for _ in range(3)]
+    acc = make(target, shape=shape, reduction_type=reduction)
+    for g in grads:
+        assert acc.apply_grad(g, local_step=0)
+    r = target.redis()
+    sizes = payload_sizes(r, acc)
+    assert len(sizes) == 3 * 4 and max(sizes.values()) == CHUNK  # no value over a chunk
+    entries = r.lrange(acc._keys.grads, 0, -1)
+    assert [e.split(b" ", 1)[0] for e in entries] == [b"p4"] * 3
+    got = acc.take_grad(3)
+    want = _reduce.dense_reduce(grads, np.dtype(np.float32), reduction)
+    assert got.tobytes() == want.tobytes()
+    assert payload_sizes(r, acc) == {}  # freed when the take returned
+
+
+def test_a_retried_apply_of_parts_is_counted_once(real, monkeypatch):
+    """The reply of the apply pipeline is lost once: the retry re-sends the parts (SET NX)
+    and the script recognises the apply."""
+    shape = (CHUNK // 2,)  # 2 parts
+    acc = make(real, shape=shape)
+    from redis.client import Pipeline
+
+    original = Pipeline.execute
+    calls = {"n": 0}
+
+    def lose_first_reply(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise redis.ConnectionError("reply lost")
+        return result
+
+    monkeypatch.setattr(Pipeline, "execute", lose_first_reply)
+    assert acc.apply_grad(np.ones(shape), local_step=0)
+    monkeypatch.setattr(Pipeline, "execute", original)
+    assert calls["n"] >= 2 and acc.num_accumulated() == 1
+    np.testing.assert_array_equal(acc.take_grad(1), np.ones(shape))
+
+
+@pytest.mark.parametrize("damage", ["missing", "short", "long"])
+def test_a_damaged_part_quarantines_its_gradient(target, damage, caplog):
+    shape = (CHUNK // 2,)  # 2 parts of float32
+    acc = make(target, shape=shape, reduction_type="SUM")
+    acc.apply_grad(np.ones(shape), local_step=0)
+    acc.apply_grad(np.full(shape, 2.0), local_step=0)
+    r = target.redis()
+    first = r.lrange(acc._keys.grads, 0, -1)[0]
+    part0, part1 = entry_key_names(first)
+    if damage == "missing":
+        r.delete(part1)
+    elif damage == "short":
+        r.set(part0, r.get(part0)[:-4])
+    else:
+        r.append(part1, b"\0\0\0\0")
+    np.testing.assert_array_equal(acc.take_grad(1, timeout=5), np.full(shape, 2.0))
+    (why,) = r.lrange(acc._keys.quarantine, 0, -1)
+    assert why.split(b" ")[0] in (b"missing", b"part", b"length")
+    assert not r.exists(part0, part1)  # our own parts of a bad entry are freed
+
+
+def test_a_forged_parts_entry_is_never_followed(target):
+    acc = make(target, shape=(CHUNK // 2,))
+    r = target.redis()
+    r.set("prod:secret:0", b"x")
+    for forged in (b"p1 prod:secret", b"p0 " + acc._keys.blob("ab", 1).encode(),
+                   b"p2 " + acc._keys.blob("ab", 1).encode() + b":0"):  # fmt: skip
+        r.rpush(acc._keys.grads, forged)
+    r.hset(acc._keys.state, "count", 3)
+    acc.apply_grad(np.ones(CHUNK // 2), local_step=0)
+    np.testing.assert_array_equal(acc.take_grad(1, timeout=5), np.ones(CHUNK // 2))
+    assert r.get("prod:secret:0") == b"x"
+    assert [q.split(b" ")[0] for q in r.lrange(acc._keys.quarantine, 0, -1)] == [b"foreign"] * 3
+
+
+def test_the_apply_sends_the_callers_buffer_without_copying_it(real):
+    shape = (16 * CHUNK // 4,)  # 16 MiB
+    grad = np.ones(shape, np.float32)
+    acc = make(real, shape=shape)
+    tracemalloc.start()
+    try:
+        acc.apply_grad(grad, local_step=0)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 * CHUNK, peak  # a copy of the gradient would be 16 chunks
+
+
+@pytest.mark.parametrize("workers", [2, 8])
+def test_a_take_holds_one_result_plus_a_window_whatever_the_workers(real, workers):
+    shape = (4 * CHUNK,)  # 16 MiB of float32 per gradient
+    acc = make(real, shape=shape, reduction_type="SUM")
+    g = np.ones(shape, np.float32)
+    for _ in range(workers):
+        acc.apply_grad(g, local_step=0)
+    del g
+    tracemalloc.start()
+    try:
+        total = acc.take_grad(workers)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert total[0] == workers and total[-1] == workers
+    result = total.nbytes
+    assert peak < result + 2 * _chunks.WINDOW_BYTES + 2 * CHUNK, (peak, result)
+
+
+@pytest.mark.slow
+def test_a_gradient_over_600_mib(real):
+    """Larger than Redis's 512 MiB value limit: two workers' gradients, the sum exact."""
+    n = (600 << 20) // 4 + 3  # float32: 600 MiB + 12 bytes, a short last part
+    acc = make(real, "huge", shape=(n,), reduction_type="SUM", max_pending_bytes=2 << 30)
+    g = np.arange(n, dtype=np.float32) % 1024
+    assert acc.apply_grad(g, local_step=0)
+    g[::7] = -1.5
+    assert acc.apply_grad(g, local_step=0)
+    r = real.redis()
+    assert max(payload_sizes(r, acc).values()) == CHUNK
+    total = acc.take_grad(2)
+    want = np.arange(n, dtype=np.float32) % 1024
+    want += g
+    assert total.tobytes() == want.tobytes()
+    assert acc.global_step() == 1 and payload_sizes(r, acc) == {}
