@@ -22,7 +22,7 @@ _WORKER = (
     "+evalsha +eval +script|load +time "
     "+get +set +mget +del +unlink +exists +strlen +pexpire +persist +rename "
     "+hget +hmget +hgetall +hset +hsetnx +hdel +hincrby "
-    "+rpush +lpush +lpop +lrange +lset +lrem +ltrim +blpop "
+    "+rpush +lpush +lpop +lrange +lindex +lset +lrem +ltrim +blpop "
     "+zadd +zrem +zrange +zscore +zcard "
     "+publish +subscribe +unsubscribe +scan"
 )
@@ -49,6 +49,15 @@ ROLES: dict[str, str] = {
 }
 
 
-def setuser_command(role: str, user: str = "", password: str = "PASSWORD") -> str:
-    """The ``ACL SETUSER`` line for a role, as the README prints it."""
-    return f"ACL SETUSER {user or 'acc-' + role} on >{password} {ROLES[role]}"
+#: What the worker and sync roles also need on a server running the accsum module (an ACL
+#: rule naming a command the server does not know is refused, so these are apart).
+MODULE_RULES = "+acc.add +acc.ping"
+
+
+def setuser_command(
+    role: str, user: str = "", password: str = "PASSWORD", *, module: bool = False
+) -> str:
+    """The ``ACL SETUSER`` line for a role, as the README prints it; ``module`` adds what a
+    server running the accsum module needs (worker and sync roles)."""
+    rules = ROLES[role] + (f" {MODULE_RULES}" if module and role != "viewer" else "")
+    return f"ACL SETUSER {user or 'acc-' + role} on >{password} {rules}"

@@ -186,7 +186,7 @@ def _left_claims(
                 key=_text(key),
                 taker_id=_text(taker),
                 step=_int(header[0], None),
-                count=len(content) - 1,
+                count=sum(keys.entry_weight(e) for e in content[1:]),
                 bytes=inline + sum(sizes.get(b, 0) for b in refs),
                 missing_blobs=sum(1 for b in refs if b not in sizes),
                 lease_remaining_ms=None if expiry is None or now is None else expiry - now,

@@ -9,7 +9,7 @@ import json
 import time
 
 from . import _admin
-from ._cli_context import EXIT_OK, EXIT_USAGE, CliError, Context, arg, command, esc
+from ._cli_context import EXIT_ERROR, EXIT_OK, EXIT_USAGE, CliError, Context, arg, command, esc
 from ._cli_render import (
     _unreadable,
     _where,
@@ -334,3 +334,21 @@ def _demo(ctx: Context, args: argparse.Namespace) -> int:
     from ._demo import main as demo_main
 
     return int(demo_main(list(args.demo_args)) or 0)
+
+
+@command(
+    "module",
+    "build the accsum Redis module (cached) and print its path: redis-server --loadmodule PATH",
+    arg("action", choices=["build", "path"], help="build: build if needed; path: same"),
+)
+def _module_build(ctx: Context, args: argparse.Namespace) -> int:
+    from . import _module
+
+    built = _module.build()
+    if built is None:
+        raise CliError(EXIT_ERROR, "the module could not be built (a C compiler is needed)")
+    if ctx.json:
+        ctx.dump({"module": str(built), "name": _module.MODULE_NAME})
+    else:
+        ctx.write(str(built))
+    return EXIT_OK

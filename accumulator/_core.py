@@ -22,7 +22,7 @@ import numpy as np
 import redis
 from redis.exceptions import NoScriptError, ResponseError
 
-from . import _chunks, _retry, _scripts
+from . import _chunks, _module, _retry, _scripts
 from ._codec import (
     Definition,
     format_shape,
@@ -40,6 +40,7 @@ from ._errors import (
     InvalidArgumentError,
     NotFoundError,
     ResourceExhaustedError,
+    UnavailableError,
 )
 from ._keys import SCHEMA_VERSION, Keys
 from ._stream import ClaimReader, Source
@@ -199,8 +200,15 @@ class AccumulatorBase:
         client: redis.Redis | str | None = None,
         container: str = "",
         max_pending_bytes: int | None = None,
+        sum_in_redis: bool | None = None,
     ) -> None:
         container = _check_name("" if container is None else container, "container")
+        if sum_in_redis not in (None, True, False):
+            raise InvalidArgumentError(
+                f"sum_in_redis must be True, False or None (decide from the server), got "
+                f"{sum_in_redis!r}"
+            )
+        self._want_sum = sum_in_redis
         if shared_name is not None:
             shared_name = _check_name(shared_name, "shared_name")
             if shared_name.startswith(PRIVATE_PREFIX):
@@ -300,10 +308,18 @@ class AccumulatorBase:
             _scripts.load_all(commands)
             return _scripts.call(
                 commands, "open", [self._keys.state],
-                [SCHEMA_VERSION, self._definition.pack(), ttl, int(limit), explicit],
+                [SCHEMA_VERSION, self._definition.pack(), ttl, int(limit), explicit,
+                 self._sum_dtype_for_new()],
             )  # fmt: skip
 
-        created, existing = self._io("open", open_)
+        created, existing, summed = self._io("open", open_)
+        #: the accsum module's dtype when this accumulator keeps its sums in Redis
+        self._sum_dtype = summed.decode() if isinstance(summed, bytes) else (summed or "")
+        if self._want_sum and not self._sum_dtype:
+            logger.warning(
+                "accumulator %r exists and sums on the taker: sum_in_redis=True applies only "
+                "when an accumulator is created", self._shared_name,
+            )  # fmt: skip
         _warn_if_evicting(commands)
         if not created and existing != self._definition.pack():
             theirs = Definition.unpack(existing)
@@ -320,6 +336,33 @@ class AccumulatorBase:
                     f"Accumulator {self._shared_name!r} already exists as "
                     f"{theirs.describe()}; cannot open it as {self._definition.describe()}"
                 )
+
+    def _sum_dtype_for_new(self) -> str:
+        """The accsum module's dtype when a new accumulator is to keep its sums in Redis: a
+        dense one of a dtype the module adds, on a server that runs the module (or as
+        ``sum_in_redis`` says); else ''."""
+        if self._want_sum is False or self._kind != "dense":
+            return ""
+        name = _module.module_dtype(self.dtype)
+        if self._want_sum is None:
+            return name or "" if _module.server_has_module(self._conns.commands) else ""
+        if name is None:
+            raise InvalidArgumentError(
+                f"sum_in_redis=True: the accsum module does not add {self.dtype.name} "
+                "(float32/64 and integer dtypes only)"
+            )
+        if not _module.server_has_module(self._conns.commands):
+            raise UnavailableError(
+                "sum_in_redis=True, but the Redis server does not run the accsum module (see "
+                "the README's 'Redis module' section)"
+            )
+        return name
+
+    @property
+    def sums_in_redis(self) -> bool:
+        """Whether this accumulator keeps each round's running sum inside Redis (the accsum
+        module; decided when the accumulator was created), rather than its taker summing."""
+        return bool(self._sum_dtype)
 
     def close(self) -> None:
         """Release connections; a private accumulator's keys are deleted."""
@@ -619,10 +662,12 @@ class AccumulatorBase:
         it names (to free once used)."""
         step, count, nbytes, round_shape = _parse_header(entries[0])
         sources: list[Source] = []
+        weights: list[int] = []
         for entry in entries[1:]:
             keys = self._keys.entry_keys(entry)
             if keys is None:  # the take script checked every entry: this is not ours to follow
                 raise AccumulatorError(f"corrupt entry in claim {claim_key}: {entry[:100]!r}")
             sources.append(entry[1:] if entry[:1] == b"i" else keys)
-        reader = ClaimReader(self._conns.commands, self._io, sources, claim_key)
+            weights.append(self._keys.entry_weight(entry))
+        reader = ClaimReader(self._conns.commands, self._io, sources, claim_key, weights)
         return Claim(step, count, round_shape, nbytes, reader), reader.keys

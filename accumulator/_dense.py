@@ -29,6 +29,12 @@ class ConditionalAccumulator(AccumulatorBase):
 
     Workers call :meth:`apply_grad`; a chief calls :meth:`take_grad`, which blocks until
     ``num_required`` gradients of the current step arrived and returns their mean (or sum).
+
+    ``sum_in_redis``: whether a new accumulator keeps each round's running sum inside Redis
+    (the accsum module adds each large gradient in place: Redis holds one gradient per round
+    and the taker reads one, whatever the number of workers). ``None`` (default) decides from
+    the server: yes when it runs the module and the dtype is float32/64 or an integer. Decided
+    at creation and stored; every later opener follows it (:attr:`sums_in_redis`).
     """
 
     _kind = "dense"
@@ -44,9 +50,11 @@ class ConditionalAccumulator(AccumulatorBase):
         client: redis.Redis | str | None = None,
         container: str = "",
         max_pending_bytes: int | None = None,
+        sum_in_redis: bool | None = None,
     ) -> None:
         super().__init__(dtype, shape, shared_name, name, reduction_type, client=client,
-                         container=container, max_pending_bytes=max_pending_bytes)  # fmt: skip
+                         container=container, max_pending_bytes=max_pending_bytes,
+                         sum_in_redis=sum_in_redis)  # fmt: skip
 
     def apply_grad(self, grad: Any, local_step: Any = 0, name: str | None = None) -> bool:
         """Add ``grad`` to the current round; ``False`` if dropped as stale.
@@ -101,5 +109,7 @@ class ConditionalAccumulator(AccumulatorBase):
         wire = wire_dtype(self.dtype)
         for start, stop, parts in claim.reader.chunks(flat.nbytes):
             grads = [np.frombuffer(part, wire) for part in parts]
-            _reduce.reduce_into(flat[start:stop].view(self.dtype), grads, self.reduction_type)
+            _reduce.reduce_into(
+                flat[start:stop].view(self.dtype), grads, self.reduction_type, count=claim.count
+            )
         return out

@@ -10,13 +10,17 @@ key                    type    contents
 ``P{tag}:s``           hash    state: ``schema``, ``def`` (msgpack definition), ``step``,
                                ``count``, ``rshape`` (round shape, absent = none), ``gen``
                                (number of takes/resets), ``tseq`` (taker join counter),
+                               ``sum`` (the accsum module's dtype when sums are kept in
+                               Redis, set at creation; absent: the taker sums),
                                ``bytes`` (payload bytes held), ``ttl`` (ms, private only),
                                statistics ``n_applied``, ``n_stale``, ``stale_steps``,
                                ``max_stale``, ``n_rejected``, ``n_taken``, ``last_take_ms``,
                                ``last_take_wait_ms``, ``created_ms``
 ``P{tag}:g``           list    the current round's gradients in apply order; each entry is
                                ``b"i" + payload`` (small, inline), ``b"p<parts> " + blob``
-                               (large: in parts, see below) or ``b"k" + blob key`` (one key,
+                               (large: in parts, see below), ``b"s<w> <parts> " + blob``
+                               (the running sum of ``w`` gradients, kept by the accsum
+                               module: parts as for ``p``) or ``b"k" + blob key`` (one key,
                                written by schema 1 clients; still read)
 ``P{tag}:b:<cid>:<n>:<i>`` string  part ``i`` of a large gradient payload (raw little-endian
                                bytes): every part but the last is exactly
@@ -170,6 +174,14 @@ class Keys:
         raw = blob.encode() if isinstance(blob, str) else blob
         return raw + b":%d" % index
 
+    @staticmethod
+    def entry_weight(entry: bytes) -> int:
+        """How many gradients a round entry holds (a running sum holds several)."""
+        if entry[:1] != b"s":
+            return 1
+        head = entry[1:].partition(b" ")[0]
+        return int(head) if head.isdigit() else 1
+
     def payload_keys(self, entries: list[bytes]) -> list[bytes]:
         """Every payload key the given round entries name; entries naming anything but this
         accumulator's own payload keys are skipped (untrusted input, never followed)."""
@@ -184,6 +196,12 @@ class Keys:
             return []
         if kind == b"k":
             return [entry[1:]] if self._blob_re.match(entry[1:]) else None
+        if kind == b"s":  # a running sum: b"s<weight> <parts> <blob>"
+            weight, _, entry = entry[1:].partition(b" ")
+            if not (weight.isdigit() and weight[:1] != b"0" and len(weight) <= 9):
+                return None
+            kind = b"p"
+            entry = b"p" + entry
         if kind == b"p":
             head, _, blob = entry[1:].partition(b" ")
             if not (head.isdigit() and head[:1] != b"0" and len(head) <= 7):

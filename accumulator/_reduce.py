@@ -159,16 +159,19 @@ def _dense_float(grads: Sequence[np.ndarray], dtype: np.dtype, mean: bool) -> np
     return out
 
 
-def _float_into(out: np.ndarray, flat: Sequence[np.ndarray], dtype: np.dtype, mean: bool) -> None:
+def _float_into(
+    out: np.ndarray, flat: Sequence[np.ndarray], dtype: np.dtype, mean: bool,
+    count: int | None = None,
+) -> None:  # fmt: skip
     """``out`` (1-D) = the sequential sum (or mean) of ``flat`` (1-D, ``dtype``, same length).
     As on the FPU, only arithmetic flushes: a lone gradient taken as SUM is a copy and keeps
-    subnormals.
+    subnormals. ``count`` is the MEAN's divisor (default ``len(flat)``).
 
     Elements are independent, so the work goes block by block (cache-sized): whether a block
     needs flushing is decided from that block's inputs alone. The same holds for any split of
     the elements, so a caller may feed a large gradient chunk by chunk.
     """
-    count = dtype.type(len(flat))
+    divisor = dtype.type(len(flat) if count is None else count)
     ftz = _ftz(dtype)
     for start in range(0, max(out.size, 1), _BLOCK):
         part = slice(start, start + _BLOCK)
@@ -182,15 +185,21 @@ def _float_into(out: np.ndarray, flat: Sequence[np.ndarray], dtype: np.dtype, me
             else:
                 np.add(acc, g[part], out=acc)
         if mean:
-            np.true_divide(_flush(acc, dtype) if flush else acc, count, out=acc)
+            np.true_divide(_flush(acc, dtype) if flush else acc, divisor, out=acc)
             if ftz:
                 _flush(acc, dtype)
 
 
-def reduce_into(out: np.ndarray, grads: Sequence[np.ndarray], reduction: str) -> None:
+def reduce_into(
+    out: np.ndarray, grads: Sequence[np.ndarray], reduction: str, count: int | None = None
+) -> None:
     """``out[...]`` = SUM or MEAN of ``grads`` (in apply order), all 1-D arrays of ``out``'s
     dtype and length: :func:`dense_reduce` on a slice of the elements. The streaming take
     calls it once per chunk; the result is the same bit for bit as one call on everything.
+
+    ``count``: the number of gradients the inputs hold, MEAN's divisor (default
+    ``len(grads)``). An input may be a running sum of several gradients (kept in Redis by
+    the accsum module, which adds with the same flush-to-zero rules as here).
     """
     _check_reduction(reduction)
     dtype = _check_dtype(out.dtype)
@@ -203,13 +212,14 @@ def reduce_into(out: np.ndarray, grads: Sequence[np.ndarray], reduction: str) ->
             )
     mean = reduction == "MEAN"
     if dtype.kind == "f":
-        _float_into(out, grads, dtype, mean)
+        _float_into(out, grads, dtype, mean, count)
         return
     out[...] = grads[0]
     for g in grads[1:]:
         np.add(out, g, out=out)
     if mean:
-        out[...] = _divide(out, _as_counts(out, len(grads)), dtype, inplace=True)
+        divisor = len(grads) if count is None else count
+        out[...] = _divide(out, _as_counts(out, divisor), dtype, inplace=True)
 
 
 def dense_sum(grads: Sequence[np.ndarray], dtype: np.dtype) -> np.ndarray:

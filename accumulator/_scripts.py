@@ -25,6 +25,7 @@ from ._errors import (
     PermissionDeniedError,
     ResourceExhaustedError,
     SchemaVersionError,
+    UnavailableError,
 )
 from ._keys import SCHEMA_VERSION
 
@@ -134,6 +135,12 @@ def translate(exc: Exception) -> Exception:
         return ResourceExhaustedError(
             "the gradient's payload was not stored (Redis at maxmemory, or the key was evicted "
             "or changed); nothing was applied"
+        )
+    if what == "NOMODULE":
+        return UnavailableError(
+            "this accumulator keeps its sums in Redis, but the server does not run the accsum "
+            "module (restarted without it?); nothing was applied. Load it (see the README's "
+            "'Redis module' section) or delete the accumulator and open it again"
         )
     if what == "STEPMAX":
         return InvalidArgumentError(

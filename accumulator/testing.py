@@ -192,6 +192,11 @@ class RedisServer:
     so ``["--appendfsync", "everysec"]`` (lose up to a second at a crash) or
     ``["--appendonly", "no", "--save", "60 1"]`` (RDB instead) override the defaults. The
     directory is removed by ``stop()`` (and by the atexit hook), never by a restart.
+
+    ``module``: load the accumulator's Redis module (``accumulator/module/accsum.c``, built
+    at the first start with the C compiler at hand and cached): ``None`` (default) when a
+    compiler is present (else one log line, and a plain server), ``True`` always (an error
+    without a compiler), ``False`` never (a plain server, as managed Redis is).
     """
 
     def __init__(
@@ -203,6 +208,7 @@ class RedisServer:
         startup_timeout: float = 10.0,
         stop_timeout: float = 10.0,
         persistent: bool = False,
+        module: bool | None = None,
     ) -> None:
         if port is not None and not 0 < port < 65536:
             raise ValueError(f"port must be in 1..65535 or None, not {port!r}")
@@ -216,6 +222,10 @@ class RedisServer:
         self._startup_timeout = startup_timeout
         self._stop_timeout = stop_timeout
         self._persistent = bool(persistent)
+        if module not in (None, True, False):
+            raise ValueError(f"module must be True, False or None, not {module!r}")
+        self._module = module
+        self._module_path: Path | None = None
         # Persistent only: the data directory holds data once a start succeeded (from then
         # on a failed start must not wipe it).
         self._has_data = False
@@ -398,6 +408,26 @@ class RedisServer:
             )
         return found
 
+    def _module_args(self) -> list[str]:
+        """``--loadmodule`` of our Redis module, built at the first start (cached)."""
+        if self._module is False:
+            return []
+        if self._module_path is None:
+            from . import _module
+
+            self._module_path = _module.build()
+            if self._module_path is None and self._module:
+                raise RuntimeError(
+                    "module=True: the accsum Redis module could not be built (a C compiler "
+                    "is needed: cc, gcc, clang or $CC)"
+                )
+        return [] if self._module_path is None else ["--loadmodule", str(self._module_path)]
+
+    @property
+    def has_module(self) -> bool:
+        """Whether this server loads the accumulator's Redis module (known once started)."""
+        return self._module_path is not None
+
     def _spawn(self, binary: str) -> None:
         port = self.port
         if not (self._persistent and self._dir is not None and self._dir.is_dir()):
@@ -418,6 +448,7 @@ class RedisServer:
             "--daemonize", "no",
             "--dir", str(self._dir),
             "--logfile", str(self.log_path),
+            *self._module_args(),
             *self._args,
         ]  # fmt: skip
         log.debug("starting %s", _masked(cmd))

@@ -123,7 +123,9 @@ local CHUNK = 1048576
 local MAX_PARTS = 1048576
 
 -- The payload keys a round entry names, or nil and why not. Entries: 'i' .. payload (inline,
--- no key), 'k' .. blob key (one key), 'p' .. n .. ' ' .. blob key (parts blob:0 .. blob:n-1).
+-- no key), 'k' .. blob key (one key), 'p' .. n .. ' ' .. blob key (parts blob:0 .. blob:n-1),
+-- 's' .. w .. ' ' .. n .. ' ' .. blob key: the running sum of w gradients, kept in Redis by
+-- the accsum module (parts as for 'p').
 -- Only this accumulator's own payload keys are ever named: anything else is 'foreign'.
 local function entry_keys(base, entry)
   local kind = string.sub(entry, 1, 1)
@@ -133,8 +135,13 @@ local function entry_keys(base, entry)
     if is_own(base, key, 'b') then return {key} end
     return nil, 'foreign'
   end
-  if kind == 'p' then
-    local n, blob = string.match(entry, '^p([1-9]%d?%d?%d?%d?%d?%d?) (.+)$')
+  if kind == 'p' or kind == 's' then
+    local n, blob
+    if kind == 'p' then
+      n, blob = string.match(entry, '^p([1-9]%d?%d?%d?%d?%d?%d?) (.+)$')
+    else
+      n, blob = string.match(entry, '^s[1-9]%d?%d?%d?%d?%d?%d?%d?%d? ([1-9]%d?%d?%d?%d?%d?%d?) (.+)$')
+    end
     n = tonumber(n)
     if not n or n > MAX_PARTS or not is_own(base, blob, 'b') then return nil, 'foreign' end
     local keys = {}
@@ -142,6 +149,12 @@ local function entry_keys(base, entry)
     return keys
   end
   return nil, 'foreign'
+end
+
+-- How many gradients an entry holds (a running sum holds several).
+local function entry_weight(entry)
+  if string.sub(entry, 1, 1) ~= 's' then return 1 end
+  return tonumber(string.match(entry, '^s(%d+) ')) or 1
 end
 
 -- UNLINK any number of keys (Lua's unpack stops at a few thousand values).

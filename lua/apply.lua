@@ -9,6 +9,8 @@
 -- ARGV[8] dedup ttl ms  ARGV[9] why the gradient may not open a round ('' = it may): the
 --         client's check against the declared shape, which TF applies to a round's first
 --         gradient only (later ones are compared with the round shape)
+-- With the accsum module (state field 'sum'), a large payload is added into the round's running
+-- sum in Redis instead of being kept (see below).
 -- Returns {code, step, count, duplicate, detail}: code 1 accepted, 0 stale,
 -- -1 shape differs from the round's (detail = round shape), -2 refused as a round's first
 -- gradient (detail = ARGV[9]), -3 the round would exceed the accumulator's pending-bytes limit
@@ -36,7 +38,7 @@ local function drop_payload()  -- nobody will ever reference it
   if #payload_keys > 0 then unlink_all(payload_keys) end
 end
 local err, st = read_state(state, ARGV[1], {'step', 'count', 'rshape', 'ttl', 'bytes',
-  'n_applied', 'maxbytes'})
+  'n_applied', 'maxbytes', 'sum'})
 if err then
   drop_payload()
   return err
@@ -67,6 +69,35 @@ if not inline then
   if len ~= tonumber(nbytes) then return acc_error('NOBLOB ' .. blob) end
 end
 
+-- An accumulator that keeps its round's sum in Redis (st.sum: the accsum module's dtype) adds
+-- a large payload into the round's running sum, the first entry of the round ('s' entry),
+-- and frees it; the round's first payload becomes that sum. Everything is checked here,
+-- before the first write: the module is loaded, the sum's parts are whole.
+local into  -- {sum entry, its part keys} to add this payload into
+local summing = st.sum and ARGV[5] == 'p'
+if summing then
+  local probe = redis.pcall('ACC.PING')
+  if type(probe) == 'table' and probe.err then
+    -- a user without +acc.ping is told so (Redis's text: "... can't run this command ...")
+    if string.find(probe.err, 'NOPERM', 1, true) or string.find(probe.err, "can't run", 1, true) then
+      return acc_error('NOPERM ACC.PING -')
+    end
+    drop_payload()
+    return acc_error('NOMODULE')
+  end
+  err = check_acl({{'ACC.ADD', blob}, {'LSET', grads}, {'LINDEX', grads}})
+  if err then return err end
+  if count > 0 then
+    local head = redis.call('LINDEX', grads, 0)
+    if head and string.sub(head, 1, 1) == 's' then
+      local hkeys = entry_keys(base, head)
+      if hkeys and #hkeys == #payload_keys and entry_length(head, hkeys) == tonumber(nbytes) then
+        into = {head, hkeys}
+      end
+    end
+  end
+end
+
 local function refuse(code, detail)
   -- refused input is not remembered: a retry is judged again (it changed nothing)
   redis.call('HINCRBY', state, 'n_rejected', 1)
@@ -91,7 +122,7 @@ end
 if count == 0 and ARGV[9] ~= '' then
   return refuse(-2, ARGV[9])
 end
-local total = tonumber(st.bytes) + tonumber(nbytes)
+local total = tonumber(st.bytes) + (into and 0 or tonumber(nbytes))
 if st.maxbytes and total > tonumber(st.maxbytes) then
   return refuse(-3, st.maxbytes)
 end
@@ -99,6 +130,14 @@ end
 redis.call('SET', dedup, seq, 'PX', ARGV[8])
 if inline then
   redis.call('RPUSH', grads, ARGV[6])  -- already tagged 'i' by the client (no copy here)
+elseif into then
+  for i, key in ipairs(into[2]) do redis.call('ACC.ADD', key, payload_keys[i], st.sum) end
+  unlink_all(payload_keys)
+  redis.call('LSET', grads, 0, 's' .. int_str(entry_weight(into[1]) + 1) .. ' ' ..
+    string.match(into[1], '^s%d+ (.+)$'))
+  payload_keys = into[2]  -- the sum's parts: their expiry follows the round's below
+elseif summing then
+  redis.call('RPUSH', grads, 's1 ' .. string.sub(entry, 2))
 else
   redis.call('RPUSH', grads, entry)
 end

@@ -3,10 +3,14 @@
 -- ARGV[1] schema version  ARGV[2] definition (msgpack)  ARGV[3] safety-net ttl ms (0 = none)
 -- ARGV[4] pending-bytes limit  ARGV[5] '1' when the opener chose that limit explicitly (it
 --         then replaces the stored one), '0' when it is the library default (kept if set)
--- Returns {1, def} when created, {0, def} when it existed (the client compares definitions).
+-- ARGV[6] the accsum module's dtype when a new accumulator keeps its sums in Redis, else ''
+--         (decided once, at creation: every client of it then agrees)
+-- Returns {1, def, sum} when created, {0, def, sum} when it existed (the client compares
+-- definitions; sum = the stored module dtype or '').
 local state = KEYS[1]
 if not own_keys({}) then return acc_error('BADKEY 1') end
-if not (is_count(ARGV[3]) and is_count(ARGV[4]) and (ARGV[5] == '0' or ARGV[5] == '1')) then
+if not (is_count(ARGV[3]) and is_count(ARGV[4]) and (ARGV[5] == '0' or ARGV[5] == '1')
+    and string.find(ARGV[6] or '-', '^[fiu]?%d*$')) then
   return acc_error('BADARG open')
 end
 local have = redis.call('HGET', state, 'schema')
@@ -19,7 +23,8 @@ if have then
   else
     redis.call('HSETNX', state, 'maxbytes', ARGV[4])  -- written by an older version: none yet
   end
-  return {0, redis.call('HGET', state, 'def')}
+  local stored = redis.call('HMGET', state, 'def', 'sum')
+  return {0, stored[1], stored[2] or ''}
 end
 local err = check_acl({{'HSET', state}, {'PEXPIRE', state}})
 if err then return err end
@@ -28,5 +33,6 @@ redis.call('HSET', state,
   'ttl', ARGV[3], 'maxbytes', ARGV[4], 'created_ms', int_str(now_ms()),
   'n_applied', 0, 'n_stale', 0, 'stale_steps', 0, 'max_stale', 0, 'n_rejected', 0,
   'n_quarantined', 0, 'n_taken', 0, 'grads_taken', 0)
+if ARGV[6] ~= '' then redis.call('HSET', state, 'sum', ARGV[6]) end
 touch(state, {state})
-return {1, ARGV[2]}
+return {1, ARGV[2], ARGV[6]}

@@ -15,10 +15,12 @@ err = check_acl({{'DEL', grads}, {'DEL', KEYS[3]}, {'HSET', state}, {'HDEL', sta
   {'HINCRBY', state}, {'UNLINK', base .. ':b:0:0'}})
 if err then return err end
 local entries = redis.call('LRANGE', grads, 0, -1)
-local blobs = {#entries}
+local blobs, dropped = {0}, 0
 for _, entry in ipairs(entries) do
+  dropped = dropped + entry_weight(entry)
   for _, key in ipairs(entry_keys(base, entry) or {}) do blobs[#blobs + 1] = key end
 end
+blobs[1] = dropped
 redis.call('DEL', grads, KEYS[3])
 redis.call('HSET', state, 'count', 0, 'bytes', 0)
 redis.call('HDEL', state, 'rshape')

@@ -135,13 +135,17 @@ if not queued and count >= n then
     return len % (8 + dims * isz) == 0
   end
   local entries = redis.call('LRANGE', grads, 0, -1)
-  local total, bad = 0, {}
+  local total, bad, held = 0, {}, 0
   for i, entry in ipairs(entries) do
     local keys, why = entry_keys(base, entry)
     local len
     if keys then len, why = entry_length(entry, keys) end
     if not why and not fits(len) then why = 'length ' .. len end
-    if why then bad[#bad + 1] = {i, why, entry, keys} else total = total + len end
+    if why then
+      bad[#bad + 1] = {i, why, entry, keys}
+    else
+      total, held = total + len, held + entry_weight(entry)
+    end
   end
   if #bad > 0 then
     for _, b in ipairs(bad) do
@@ -151,7 +155,7 @@ if not queued and count >= n then
       if b[4] then unlink_all(b[4]) end
     end
     redis.call('LREM', grads, 0, '\0bad')
-    count = #entries - #bad
+    count = held
     nbytes = int_str(total)
     quarantined = #bad
     redis.call('HSET', state, 'count', int_str(count), 'bytes', nbytes)

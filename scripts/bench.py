@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import platform
 import random
 import sys
@@ -525,6 +526,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="time the first apply/take of each fresh accumulator (default: "
                         "one untimed round on it first, so its connection is warm)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=1234, help="random seed (data and order)")
+    parser.add_argument("--no-steps", dest="steps", action="store_false",
+                        help="skip the synchronous-step benchmark (scripts/_step_bench.py: W=1/4 "
+                        "workers, 4 KiB-64 MiB, with and without the Redis module)")  # fmt: skip
+    parser.add_argument("--large", action="store_true",
+                        help="steps at 256 MiB and 2 GiB too (several GB of memory)")  # fmt: skip
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
     args = parser.parse_args(argv)
     if args.repeat is None:
@@ -593,6 +599,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             with open(args.json, "w") as f:
                 f.write(to_json(rows, meta) + "\n")
+    if args.steps and not args.url:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from _step_bench import main as steps_main
+
+        print()
+        steps_main(["--runs", "3" if args.quick else "7", *(["--large"] if args.large else []),
+                    *(["-q"] if args.quiet else [])])  # fmt: skip
     return 0 if all(r.passed for r in rows) else 1
 
 

@@ -164,6 +164,8 @@ def entry_key_names(entry: bytes) -> list[bytes]:
     the library's own check is ``Keys.entry_keys``)."""
     if entry[:1] == b"k":
         return [entry[1:]]
+    if entry[:1] == b"s":  # a running sum kept in Redis: b"s<weight> <parts> <blob>"
+        entry = b"p" + entry.split(b" ", 1)[1]
     if entry[:1] == b"p":
         n, _, blob = entry[1:].partition(b" ")
         return [blob + b":%d" % i for i in range(int(n))]

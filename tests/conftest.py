@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import redis
 
+from accumulator import _module
 from accumulator.testing import RedisServer, find_server_binary
 
 
@@ -38,7 +39,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 class Target:
     """Where a test's accumulators live. ``client()`` gives a fresh handle to the same data."""
 
-    kind: str  # "fake" | "real"
+    kind: str  # "fake" | "real" | "module" (a real server running our Redis module)
     url: str | None = None
     server: RedisServer | None = None  # only when the session started it (fault tests)
     _fake_server: Any = field(default=None, repr=False)
@@ -65,28 +66,53 @@ def real_url() -> Iterator[str]:
         return
     if find_server_binary() is None:
         pytest.skip("no redis-server binary (scripts/test.sh installs one)")
-    with RedisServer() as server:
+    with RedisServer(module=False) as server:  # a plain server, as managed Redis is
         yield server.url
 
 
-def _fresh_real(url: str) -> Target:
+@pytest.fixture(scope="session")
+def module_url() -> Iterator[str]:
+    """A server running our Redis module (accumulator/module/accsum.c, built on demand):
+    dense accumulators of the dtypes it adds keep their sums in Redis there."""
+    url = os.environ.get("REDIS_MODULE_URL")
+    if url:
+        yield url
+        return
+    if os.environ.get("REDIS_URL"):
+        pytest.skip("REDIS_URL given without REDIS_MODULE_URL: no server with the module")
+    if find_server_binary() is None:
+        pytest.skip("no redis-server binary (scripts/test.sh installs one)")
+    if _module.find_compiler() is None:
+        pytest.skip("no C compiler: the accsum module cannot be built")
+    with RedisServer(module=True) as server:
+        yield server.url
+
+
+def _fresh_real(url: str, kind: str = "real") -> Target:
     redis.Redis.from_url(url).flushdb()
-    return Target("real", url=url)
+    return Target(kind, url=url)
 
 
-@pytest.fixture(params=["fake", "real"])
+@pytest.fixture(params=["fake", "real", "module"])
 def target(request: pytest.FixtureRequest) -> Target:
+    """Every backend: fakeredis, a plain server (the taker sums), and a server with our module
+    (sums kept in Redis)."""
     if request.param == "fake":
         import fakeredis
 
         return Target("fake", _fake_server=fakeredis.FakeServer())
+    if request.param == "module":
+        return _fresh_real(request.getfixturevalue("module_url"), "module")
     return _fresh_real(request.getfixturevalue("real_url"))
 
 
-@pytest.fixture
-def real(real_url: str) -> Target:
-    """A real server only: multi-process behaviour, INFO, and similar."""
-    return _fresh_real(real_url)
+@pytest.fixture(params=["real", "module"])
+def real(request: pytest.FixtureRequest) -> Target:
+    """A real server only (plain, and with our module): multi-process behaviour, INFO, and
+    similar."""
+    if request.param == "module":
+        return _fresh_real(request.getfixturevalue("module_url"), "module")
+    return _fresh_real(request.getfixturevalue("real_url"))
 
 
 @pytest.fixture

@@ -123,7 +123,7 @@ class _Machine(RuleBasedStateMachine):
                 _admin.delete(self.r, self.name)
             finally:
                 self.acc.close()
-                if self.target.kind == "real":
+                if self.target.kind != "fake":
                     self.r.close()
 
     # -- invariants and rules shared by both kinds ---------------------------------------------

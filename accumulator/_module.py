@@ -1,0 +1,111 @@
+"""The optional Redis module (``accumulator/module/accsum.c``): where its source is, building
+it with the C compiler at hand (cached by content), and asking a server whether it runs it.
+
+With the module loaded, a dense accumulator of a dtype it covers keeps each round's running
+sum inside Redis (one gradient of memory however many applies, the taker reads one gradient):
+see ``lua/apply.lua``. Without it (managed Redis cannot load modules), the taker sums.
+
+    python -m accumulator module build     # prints the path of the built .so
+    redis-server --loadmodule "$(python -m accumulator module build)"
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+logger = logging.getLogger("accumulator")
+
+#: The module's name in ``MODULE LIST`` and its probe command.
+MODULE_NAME = "accsum"
+PING_COMMAND = "ACC.PING"
+
+#: numpy dtype -> the module's dtype name. Others (float16, bfloat16, complex, bool) are summed
+#: by the taker.
+_DTYPES = {
+    "float32": "f32", "float64": "f64", "int8": "i8", "uint8": "u8", "int16": "i16",
+    "uint16": "u16", "int32": "i32", "uint32": "u32", "int64": "i64", "uint64": "u64",
+}  # fmt: skip
+
+_FLAGS = ["-O2", "-std=c99", "-fPIC", "-shared", "-Wall", "-Wextra", "-Werror"]
+
+
+def module_dtype(dtype: np.dtype) -> str | None:
+    """The module's name for ``dtype``, or None when the module does not add it."""
+    if sys.byteorder != "little":
+        return None
+    return _DTYPES.get(np.dtype(dtype).name)
+
+
+def source() -> bytes:
+    """The module's C source."""
+    return (resources.files("accumulator") / "module" / "accsum.c").read_bytes()
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "redis-accumulator"
+
+
+def find_compiler() -> str | None:
+    """A C compiler: ``$CC``, else cc, gcc or clang on the PATH."""
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def build(*, sanitize: bool = False, out_dir: Path | None = None) -> Path | None:
+    """Build the module (once per source, compiler flags and ``sanitize``) and return the
+    path of the shared object; None, with one log line, when no C compiler is present.
+    ``sanitize`` adds ``-fsanitize=address,undefined`` (for the tests)."""
+    cc = find_compiler()
+    if cc is None:
+        logger.warning(
+            "no C compiler found (cc, gcc, clang or $CC): the accumulator's Redis module is "
+            "not built; takes sum on the client instead"
+        )
+        return None
+    flags = _FLAGS + (["-fsanitize=address,undefined", "-g", "-fno-omit-frame-pointer"]
+                      if sanitize else [])  # fmt: skip
+    src = source()
+    digest = hashlib.sha256(src + " ".join([cc, *flags]).encode()).hexdigest()[:16]
+    where = out_dir or cache_dir()
+    target = where / f"accsum-{digest}{'-asan' if sanitize else ''}.so"
+    if target.exists():
+        return target
+    where.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=where) as tmp:
+        c_file = Path(tmp) / "accsum.c"
+        c_file.write_bytes(src)
+        built = Path(tmp) / target.name
+        proc = subprocess.run([cc, *flags, "-o", str(built), str(c_file)],
+                              capture_output=True, text=True, check=False)  # fmt: skip
+        if proc.returncode != 0:
+            logger.warning("building the accumulator's Redis module failed (%s): %s", cc,
+                           proc.stderr.strip()[-2000:])  # fmt: skip
+            return None
+        os.replace(built, target)  # atomic: a concurrent build of the same source is fine
+    logger.info("built the accumulator's Redis module: %s", target)
+    return target
+
+
+def server_has_module(client: Any) -> bool:
+    """Whether the server runs our module (its probe command answers). Any error (unknown
+    command, no permission, fakeredis) means no."""
+    try:
+        reply = client.execute_command(PING_COMMAND)
+    except Exception:  # noqa: BLE001 - unknown command, ACL, a double without modules
+        return False
+    text = reply.decode() if isinstance(reply, bytes) else str(reply)
+    return text.startswith(MODULE_NAME + " ")

@@ -1,0 +1,238 @@
+/*
+ * accsum: the optional Redis module of redis-accumulator. It keeps a round's running sum
+ * inside Redis: ACC.ADD adds one chunk of a gradient into the sum's chunk in place.
+ *
+ *   ACC.ADD <dst> <src> <dtype>   dst[i] += src[i] for every element; both keys strings of
+ *                                 the same length, a whole number of elements. Replies the
+ *                                 number of elements added.
+ *   ACC.PING                      replies "accsum <version>" (the scripts' probe).
+ *
+ * dtype: f32, f64 (IEEE, round to nearest, with TensorFlow's CPU flush-to-zero: a subnormal
+ * operand counts as a signed zero and a subnormal result becomes one), i8, i16, i32, i64,
+ * u8, u16, u32, u64 (two's complement, wrapping like C unsigned arithmetic).
+ * Values are little-endian, as the library writes them.
+ *
+ * The library calls ACC.ADD only from its Lua scripts, after they checked everything, so that
+ * an apply is all-or-nothing. The command itself trusts nothing either: every argument count,
+ * key type, length and dtype is checked before a byte is written, and it never reads or
+ * writes outside the two values.
+ *
+ * Built by accumulator/_module.py (cc -O2 -shared -fPIC); no Redis header is needed: the few
+ * declarations of the module API used here are written below.
+ */
+
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#define ACCSUM_VERSION 1
+
+/* ---- the part of the Redis module API this module uses (API version 1) ---------------- */
+
+#define RM_OK 0
+#define RM_ERR 1
+#define RM_APIVER_1 1
+#define RM_READ (1 << 0)
+#define RM_WRITE (1 << 1)
+#define RM_KEYTYPE_STRING 1
+
+typedef struct RedisModuleCtx RedisModuleCtx;
+typedef struct RedisModuleKey RedisModuleKey;
+typedef struct RedisModuleString RedisModuleString;
+typedef int (*RedisModuleCmdFunc)(RedisModuleCtx *ctx, RedisModuleString **argv, int argc);
+typedef int (*GetApiFunc)(const char *name, void *out);
+
+static void (*RM_SetModuleAttribs)(RedisModuleCtx *ctx, const char *name, int ver, int apiver);
+static int (*RM_IsModuleNameBusy)(const char *name);
+static int (*RM_CreateCommand)(RedisModuleCtx *ctx, const char *name, RedisModuleCmdFunc func,
+                               const char *flags, int firstkey, int lastkey, int keystep);
+static void *(*RM_OpenKey)(RedisModuleCtx *ctx, RedisModuleString *name, int mode);
+static void (*RM_CloseKey)(RedisModuleKey *key);
+static int (*RM_KeyType)(RedisModuleKey *key);
+static char *(*RM_StringDMA)(RedisModuleKey *key, size_t *len, int mode);
+static const char *(*RM_StringPtrLen)(const RedisModuleString *str, size_t *len);
+static int (*RM_WrongArity)(RedisModuleCtx *ctx);
+static int (*RM_ReplyWithError)(RedisModuleCtx *ctx, const char *err);
+static int (*RM_ReplyWithLongLong)(RedisModuleCtx *ctx, long long value);
+static int (*RM_ReplyWithSimpleString)(RedisModuleCtx *ctx, const char *msg);
+static int (*RM_ReplicateVerbatim)(RedisModuleCtx *ctx);
+
+/* Redis passes the API lookup function as the first field of the load context. */
+static int resolve_api(RedisModuleCtx *ctx) {
+    GetApiFunc get_api;
+    void *first;
+    memcpy(&first, (void *)ctx, sizeof first);
+    get_api = (GetApiFunc)(uintptr_t)first;
+    if (get_api == NULL) return RM_ERR;
+#define NEED(field, name) \
+    if (get_api("RedisModule_" name, (void *)&field) != RM_OK || field == NULL) return RM_ERR
+    NEED(RM_SetModuleAttribs, "SetModuleAttribs");
+    NEED(RM_CreateCommand, "CreateCommand");
+    NEED(RM_OpenKey, "OpenKey");
+    NEED(RM_CloseKey, "CloseKey");
+    NEED(RM_KeyType, "KeyType");
+    NEED(RM_StringDMA, "StringDMA");
+    NEED(RM_StringPtrLen, "StringPtrLen");
+    NEED(RM_WrongArity, "WrongArity");
+    NEED(RM_ReplyWithError, "ReplyWithError");
+    NEED(RM_ReplyWithLongLong, "ReplyWithLongLong");
+    NEED(RM_ReplyWithSimpleString, "ReplyWithSimpleString");
+    NEED(RM_ReplicateVerbatim, "ReplicateVerbatim");
+#undef NEED
+    if (get_api("RedisModule_IsModuleNameBusy", (void *)&RM_IsModuleNameBusy) != RM_OK)
+        RM_IsModuleNameBusy = NULL; /* older servers */
+    return RM_OK;
+}
+
+/* ---- element kernels ------------------------------------------------------------------ */
+
+/* Every load and store goes through memcpy: Redis strings carry no alignment promise. */
+
+static void add_f32(unsigned char *dst, const unsigned char *src, size_t n) {
+    for (size_t i = 0; i < n; i++) {
+        uint32_t a, b, r;
+        float fa, fb, fr;
+        memcpy(&a, dst + 4 * i, 4);
+        memcpy(&b, src + 4 * i, 4);
+        if ((a & 0x7f800000u) == 0) a &= 0x80000000u; /* subnormal operand: signed zero */
+        if ((b & 0x7f800000u) == 0) b &= 0x80000000u;
+        memcpy(&fa, &a, 4);
+        memcpy(&fb, &b, 4);
+        fr = fa + fb;
+        memcpy(&r, &fr, 4);
+        if ((r & 0x7f800000u) == 0) r &= 0x80000000u; /* subnormal result: signed zero */
+        memcpy(dst + 4 * i, &r, 4);
+    }
+}
+
+static void add_f64(unsigned char *dst, const unsigned char *src, size_t n) {
+    const uint64_t exp = 0x7ff0000000000000ull, sign = 0x8000000000000000ull;
+    for (size_t i = 0; i < n; i++) {
+        uint64_t a, b, r;
+        double fa, fb, fr;
+        memcpy(&a, dst + 8 * i, 8);
+        memcpy(&b, src + 8 * i, 8);
+        if ((a & exp) == 0) a &= sign;
+        if ((b & exp) == 0) b &= sign;
+        memcpy(&fa, &a, 8);
+        memcpy(&fb, &b, 8);
+        fr = fa + fb;
+        memcpy(&r, &fr, 8);
+        if ((r & exp) == 0) r &= sign;
+        memcpy(dst + 8 * i, &r, 8);
+    }
+}
+
+#define WRAPPING_ADD(name, type)                                                   \
+    static void name(unsigned char *dst, const unsigned char *src, size_t n) {     \
+        for (size_t i = 0; i < n; i++) {                                           \
+            type a, b;                                                             \
+            memcpy(&a, dst + sizeof(type) * i, sizeof(type));                      \
+            memcpy(&b, src + sizeof(type) * i, sizeof(type));                      \
+            a = (type)(a + b);                                                     \
+            memcpy(dst + sizeof(type) * i, &a, sizeof(type));                      \
+        }                                                                          \
+    }
+WRAPPING_ADD(add_u8, uint8_t)
+WRAPPING_ADD(add_u16, uint16_t)
+WRAPPING_ADD(add_u32, uint32_t)
+WRAPPING_ADD(add_u64, uint64_t)
+
+typedef void (*Kernel)(unsigned char *dst, const unsigned char *src, size_t n);
+
+static const struct {
+    const char *name;
+    size_t size;
+    Kernel add;
+} DTYPES[] = {
+    {"f32", 4, add_f32}, {"f64", 8, add_f64}, {"i8", 1, add_u8},   {"u8", 1, add_u8},
+    {"i16", 2, add_u16}, {"u16", 2, add_u16}, {"i32", 4, add_u32}, {"u32", 4, add_u32},
+    {"i64", 8, add_u64}, {"u64", 8, add_u64},
+};
+
+/* Little-endian hosts only: the integer and float kernels read the wire bytes natively. */
+static int little_endian(void) {
+    const uint16_t one = 1;
+    unsigned char first;
+    memcpy(&first, &one, 1);
+    return first == 1;
+}
+
+/* ---- commands -------------------------------------------------------------------------- */
+
+static int acc_add(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
+    size_t dlen = 0, slen = 0, tlen = 0, nlen1 = 0, nlen2 = 0;
+    const char *tname, *n1, *n2;
+    Kernel add = NULL;
+    size_t size = 0;
+    RedisModuleKey *dkey, *skey;
+    unsigned char *dst;
+    const unsigned char *src;
+
+    if (argc != 4) return RM_WrongArity(ctx);
+    tname = RM_StringPtrLen(argv[3], &tlen);
+    for (size_t i = 0; i < sizeof DTYPES / sizeof DTYPES[0]; i++) {
+        if (strlen(DTYPES[i].name) == tlen && memcmp(DTYPES[i].name, tname, tlen) == 0) {
+            add = DTYPES[i].add;
+            size = DTYPES[i].size;
+            break;
+        }
+    }
+    if (add == NULL) return RM_ReplyWithError(ctx, "ERR ACC.ADD: unknown dtype");
+    n1 = RM_StringPtrLen(argv[1], &nlen1);
+    n2 = RM_StringPtrLen(argv[2], &nlen2);
+    if (nlen1 == nlen2 && memcmp(n1, n2, nlen1) == 0)
+        return RM_ReplyWithError(ctx, "ERR ACC.ADD: dst and src are the same key");
+
+    skey = RM_OpenKey(ctx, argv[2], RM_READ);
+    if (skey == NULL || RM_KeyType(skey) != RM_KEYTYPE_STRING) {
+        if (skey) RM_CloseKey(skey);
+        return RM_ReplyWithError(ctx, "ERR ACC.ADD: src is not a string");
+    }
+    dkey = RM_OpenKey(ctx, argv[1], RM_READ | RM_WRITE);
+    if (dkey == NULL || RM_KeyType(dkey) != RM_KEYTYPE_STRING) {
+        if (dkey) RM_CloseKey(dkey);
+        RM_CloseKey(skey);
+        return RM_ReplyWithError(ctx, "ERR ACC.ADD: dst is not a string");
+    }
+    /* lengths first (read-only access: nothing is converted or written yet) */
+    src = (const unsigned char *)RM_StringDMA(skey, &slen, RM_READ);
+    RM_StringDMA(dkey, &dlen, RM_READ);
+    if (src == NULL || dlen != slen || dlen % size != 0) {
+        RM_CloseKey(dkey);
+        RM_CloseKey(skey);
+        return RM_ReplyWithError(ctx, "ERR ACC.ADD: lengths differ or are not whole elements");
+    }
+    dst = (unsigned char *)RM_StringDMA(dkey, &dlen, RM_WRITE);
+    /* a write DMA may move dst (unsharing it); src is another key, so it stays put */
+    if (dst == NULL || dlen != slen) {
+        RM_CloseKey(dkey);
+        RM_CloseKey(skey);
+        return RM_ReplyWithError(ctx, "ERR ACC.ADD: dst is not writable");
+    }
+    add(dst, src, dlen / size);
+    RM_CloseKey(dkey);
+    RM_CloseKey(skey);
+    RM_ReplicateVerbatim(ctx);
+    return RM_ReplyWithLongLong(ctx, (long long)(dlen / size));
+}
+
+static int acc_ping(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
+    (void)argv;
+    if (argc != 1) return RM_WrongArity(ctx);
+    return RM_ReplyWithSimpleString(ctx, "accsum 1");
+}
+
+int RedisModule_OnLoad(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
+    (void)argv;
+    (void)argc;
+    if (!little_endian()) return RM_ERR;
+    if (resolve_api(ctx) != RM_OK) return RM_ERR;
+    if (RM_IsModuleNameBusy && RM_IsModuleNameBusy("accsum")) return RM_ERR;
+    RM_SetModuleAttribs(ctx, "accsum", ACCSUM_VERSION, RM_APIVER_1);
+    if (RM_CreateCommand(ctx, "acc.add", acc_add, "write deny-oom", 1, 2, 1) != RM_OK)
+        return RM_ERR;
+    if (RM_CreateCommand(ctx, "acc.ping", acc_ping, "readonly fast", 0, 0, 0) != RM_OK)
+        return RM_ERR;
+    return RM_OK;
+}

@@ -1,0 +1,238 @@
+"""The synchronous-step benchmark behind ``scripts/bench.py --steps`` (and on its own:
+``python scripts/_step_bench.py``).
+
+One step: W worker processes each apply one float32 gradient (all released at once), the
+chief's ``take_grad(W)`` returns their mean; timed from the release to the take's return.
+Measured on both paths, in the same run: a plain server (the taker sums, as on managed
+Redis) and a server running our accsum module (the running sum stays in Redis), for W=1 and
+W=4, at 4 KiB, 1 MiB, 16 MiB and 64 MiB (``--large``: 256 MiB and 2 GiB too).
+
+Besides the step's median it reports, per size and path: Redis ``used_memory`` once the W
+applies of a round are in (over the empty server, as a multiple of one gradient), the peak
+``used_memory`` sampled during the steps, and a PING probe (its own connection, every 5 ms)
+during the steps: p99 and max, i.e. how long Redis stalls other clients.
+
+TensorFlow's parameter server was measured the same way on this kind of machine (W=4 step
+medians, in ``shared/notes/redis-facts.md`` and issue 9): those figures are printed as the
+reference; ``--tf-python`` is not implemented yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import multiprocessing as mp
+import statistics
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import redis
+
+import accumulator
+from accumulator import _module
+from accumulator.testing import RedisServer
+
+MiB = 1 << 20
+SIZES = {"4 KiB": 4 << 10, "1 MiB": MiB, "16 MiB": 16 * MiB, "64 MiB": 64 * MiB}
+LARGE = {"256 MiB": 256 * MiB, "2 GiB": 2048 * MiB}
+#: TF 2.21 ConditionalAccumulator on a parameter-server task, W=4 step medians (ms), same kind
+#: of machine (issue 9's table).
+TF_W4_MS = {"4 KiB": 4.25, "1 MiB": 6.78, "16 MiB": 44.6, "64 MiB": 152.0}
+
+
+def _worker(url: str, name: str, nbytes: int, index: int, conn: Any) -> None:
+    acc = accumulator.ConditionalAccumulator(
+        np.float32, shape=(nbytes // 4,), shared_name=name, client=url,
+        max_pending_bytes=1 << 40,
+    )  # fmt: skip
+    grad = np.full(nbytes // 4, float(index + 1), np.float32)
+    conn.send("ready")
+    while True:
+        step = conn.recv()
+        if step is None:
+            break
+        acc.apply_grad(grad, local_step=step)
+        conn.send("applied")
+    acc.close()
+
+
+class _Probe:
+    """PINGs Redis every 5 ms on its own connection and samples ``used_memory``."""
+
+    def __init__(self, url: str) -> None:
+        self.r = redis.Redis.from_url(url, socket_timeout=30)
+        self.pings: list[float] = []
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> _Probe:
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _run(self) -> None:
+        n = 0
+        while not self._stop.wait(0.005):
+            t = time.perf_counter()
+            self.r.ping()
+            self.pings.append(time.perf_counter() - t)
+            n += 1
+            if n % 4 == 0:
+                self.peak = max(self.peak, int(self.r.info("memory")["used_memory"]))
+
+
+@dataclass
+class StepRow:
+    path: str  # "module" | "plain"
+    size: str
+    nbytes: int
+    workers: int
+    runs: int
+    step_ms: float
+    step_p25_ms: float
+    step_p75_ms: float
+    held_x: float  # used_memory over the empty server once the round's applies are in / nbytes
+    peak_x: float  # peak used_memory over the empty server during the steps / nbytes
+    ping_p99_ms: float
+    ping_max_ms: float
+
+
+def run_path(url: str, path: str, sizes: dict[str, int], workers: int, runs: int,
+             verbose: bool) -> list[StepRow]:  # fmt: skip
+    rows = []
+    ctx = mp.get_context("spawn")
+    r = redis.Redis.from_url(url)
+    for label, nbytes in sizes.items():
+        r.flushall()
+        base = int(r.info("memory")["used_memory"])
+        name = f"step/{path}/{label}/{workers}"
+        chief = accumulator.ConditionalAccumulator(
+            np.float32, shape=(nbytes // 4,), shared_name=name, client=url,
+            max_pending_bytes=1 << 40,
+        )  # fmt: skip
+        assert chief.sums_in_redis == (path == "module"), (path, chief.sums_in_redis)
+        pipes, procs = [], []
+        for i in range(workers):
+            mine, theirs = ctx.Pipe()
+            p = ctx.Process(target=_worker, args=(url, name, nbytes, i, theirs), daemon=True)
+            p.start()
+            pipes.append(mine)
+            procs.append(p)
+        for c in pipes:
+            assert c.recv() == "ready"
+        want = float(sum(range(1, workers + 1))) / workers
+        times: list[float] = []
+        held = 0
+        n_runs = runs if nbytes <= 64 * MiB else max(2, runs // 5)
+        with _Probe(url) as probe:
+            for step in range(n_runs + 1):  # the first one warms up
+                t = time.perf_counter()
+                for c in pipes:
+                    c.send(step)
+                if step == 0:  # memory once every apply is in, before the take
+                    for c in pipes:
+                        assert c.recv() == "applied"
+                    held = int(r.info("memory")["used_memory"]) - base
+                total = chief.take_grad(workers, timeout=600)
+                dt = time.perf_counter() - t
+                if step > 0:
+                    for c in pipes:
+                        assert c.recv() == "applied"
+                    times.append(dt)
+                assert total[0] == want and total[-1] == want, (total[0], want)
+                del total
+        for c in pipes:
+            c.send(None)
+        for p in procs:
+            p.join(30)
+        chief.close()
+        pings = sorted(probe.pings) or [0.0]
+        q = statistics.quantiles(times, n=4) if len(times) > 1 else [times[0]] * 3
+        row = StepRow(
+            path, label, nbytes, workers, len(times), 1000 * statistics.median(times),
+            1000 * q[0], 1000 * q[2], held / nbytes, max(0, probe.peak - base) / nbytes,
+            1000 * pings[min(len(pings) - 1, int(0.99 * len(pings)))], 1000 * pings[-1],
+        )  # fmt: skip
+        if verbose:
+            print(f"  {path:6} W={workers} {label:>7}: {row.step_ms:9.2f} ms  held "
+                  f"{row.held_x:5.2f}x  peak {row.peak_x:5.2f}x  PING p99/max "
+                  f"{row.ping_p99_ms:.1f}/{row.ping_max_ms:.1f} ms", file=sys.stderr)  # fmt: skip
+        rows.append(row)
+    r.close()
+    return rows
+
+
+def render(rows: list[StepRow]) -> str:
+    by = {(r.path, r.size, r.workers): r for r in rows}
+    lines = [
+        "synchronous step (W workers apply float32 gradients, the chief takes the mean), medians",
+        "",
+        "| gradient | W | module path | plain path | module / TF | plain / TF | "
+        "Redis held after applies (module, plain) | PING p99 / max during steps (module) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    sizes = list(dict.fromkeys(r.size for r in rows))
+    for size in sizes:
+        for w in sorted({r.workers for r in rows}):
+            m, p = by.get(("module", size, w)), by.get(("plain", size, w))
+            tf = TF_W4_MS.get(size) if w == 4 else None
+
+            def ms(row: StepRow | None) -> str:
+                return f"{row.step_ms:.2f} ms" if row else "—"
+
+            def ratio(row: StepRow | None, tf: float | None = tf) -> str:
+                return f"{row.step_ms / tf:.2f}" if row and tf else "—"
+
+            held = " / ".join(f"{r.held_x:.2f}×" if r else "—" for r in (m, p))
+            ping = f"{m.ping_p99_ms:.1f} / {m.ping_max_ms:.1f} ms" if m else "—"
+            lines.append(f"| {size} | {w} | {ms(m)} | {ms(p)} | {ratio(m)} | {ratio(p)} | "
+                         f"{held} | {ping} |")  # fmt: skip
+    lines.append("")
+    lines.append("TF: TensorFlow's parameter server, W=4 medians recorded on this kind of "
+                 "machine (issue 9); held: Redis used_memory over one gradient.")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=7, help="timed steps per case (default 7)")
+    parser.add_argument("--workers", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--large", action="store_true", help="also 256 MiB and 2 GiB")
+    parser.add_argument("--sizes", nargs="+", help="only these sizes (e.g. '16 MiB')")
+    parser.add_argument("--json", metavar="PATH", help="write the rows as JSON")
+    parser.add_argument("-q", "--quiet", action="store_true")
+    args = parser.parse_args(argv)
+    sizes = dict(SIZES, **(LARGE if args.large else {}))
+    if args.sizes:
+        sizes = {k: v for k, v in sizes.items() if k in args.sizes}
+    paths = [("plain", False)]
+    if _module.find_compiler() is not None:
+        paths.insert(0, ("module", True))
+    else:
+        print("no C compiler: the module path is not measured", file=sys.stderr)
+    rows: list[StepRow] = []
+    for path, module in paths:
+        with RedisServer(module=module, args=["--maxmemory", "0"]) as server:
+            for w in args.workers:
+                rows += run_path(server.url, path, sizes, w, args.runs, not args.quiet)
+    print(render(rows))
+    if args.json:
+        with contextlib.suppress(OSError), open(args.json, "w") as f:
+            json.dump([asdict(r) for r in rows], f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

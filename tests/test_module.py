@@ -1,0 +1,276 @@
+"""Our Redis module (accumulator/module/accsum.c): ACC.ADD against the client's reduction, bad
+input refused without a change (fuzzed), the choice of path, and a sanitizer build."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+
+import numpy as np
+import pytest
+import redis
+from _helpers import entry_key_names
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import accumulator
+from accumulator import _acl, _module, _reduce
+from accumulator.testing import RedisServer, find_server_binary
+
+MiB = 1 << 20
+DTYPES = ["float32", "float64", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64",
+          "uint64"]  # fmt: skip
+
+
+@pytest.fixture
+def mod(module_url: str) -> redis.Redis:
+    r = redis.Redis.from_url(module_url)
+    r.flushdb()
+    return r
+
+
+def make(url, name="m", shape=(4 * MiB // 4,), dtype=np.float32, **kw):
+    return accumulator.ConditionalAccumulator(dtype, shape=shape, shared_name=name, client=url,
+                                              **kw)  # fmt: skip
+
+
+# -- the command --------------------------------------------------------------------------------
+
+
+FIXTURE_OK = [HealthCheck.function_scoped_fixture]
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=FIXTURE_OK)
+@given(st.sampled_from(DTYPES), st.integers(0, 600), st.data())
+def test_acc_add_is_the_clients_sum_bit_for_bit(mod, dtype, n, data):
+    """Every bit pattern (subnormals, infinities, NaNs, wrapping integers): the module's
+    in-place add is the client's sequential in-dtype add with TF's flush-to-zero."""
+    dtype = np.dtype(dtype)
+    raw = data.draw(st.binary(min_size=2 * n * dtype.itemsize, max_size=2 * n * dtype.itemsize))
+    cut = n * dtype.itemsize
+    a, b = np.frombuffer(raw[:cut], dtype), np.frombuffer(raw[cut:], dtype)
+    mod.set("a", a.tobytes())
+    mod.set("b", b.tobytes())
+    assert mod.execute_command("ACC.ADD", "a", "b", _module.module_dtype(dtype)) == n
+    want = np.empty(n, dtype)
+    with np.errstate(all="ignore"):
+        _reduce.reduce_into(want, [a, b], "SUM")
+    assert mod.get("a") == want.tobytes()
+    assert mod.get("b") == b.tobytes()
+
+
+BAD = [
+    (("ACC.ADD", "a", "b"), "wrong number"),
+    (("ACC.ADD", "a", "b", "f32", "x"), "wrong number"),
+    (("ACC.ADD", "a", "b", "f16"), "unknown dtype"),
+    (("ACC.ADD", "a", "b", ""), "unknown dtype"),
+    (("ACC.ADD", "a", "a", "f32"), "same key"),
+    (("ACC.ADD", "a", "missing", "f32"), "src is not a string"),
+    (("ACC.ADD", "missing", "a", "f32"), "dst is not a string"),
+    (("ACC.ADD", "a", "list", "f32"), "src is not a string"),
+    (("ACC.ADD", "hash", "a", "f32"), "dst is not a string"),
+    (("ACC.ADD", "a", "short", "f32"), "lengths differ"),
+    (("ACC.ADD", "odd", "odd2", "f32"), "whole elements"),
+    (("ACC.ADD", "a", "c", "f64"), "whole elements"),
+    (("ACC.PING", "x"), "wrong number"),
+]
+
+
+@pytest.mark.parametrize("command,message", BAD, ids=[" ".join(c[1:]) for c, _ in BAD])
+def test_bad_input_is_refused_and_changes_nothing(mod, command, message):
+    mod.set("a", np.arange(3, dtype=np.float32).tobytes())
+    mod.set("c", np.ones(3, np.float32).tobytes())
+    mod.set("short", b"\0\0\0\0")
+    mod.set("odd", b"\0" * 7)
+    mod.set("odd2", b"\0" * 7)
+    mod.rpush("list", b"x" * 12)
+    mod.hset("hash", "f", b"x" * 12)
+    before = {k: mod.dump(k) for k in mod.scan_iter()}
+    with pytest.raises(redis.ResponseError, match=message):
+        mod.execute_command(*command)
+    assert {k: mod.dump(k) for k in mod.scan_iter()} == before
+    assert mod.ping()
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=FIXTURE_OK)
+@given(st.lists(st.one_of(st.sampled_from([b"a", b"b", b"f32", b"f64", b"i8", b"u64"]),
+                          st.binary(max_size=12)), max_size=6),
+       st.binary(max_size=64), st.binary(max_size=64))  # fmt: skip
+def test_fuzzed_commands_never_hurt_the_server(mod, args, a, b):
+    mod.set("a", a)
+    mod.set("b", b)
+    try:
+        reply = mod.execute_command("ACC.ADD", *args)
+    except redis.ResponseError:
+        assert (mod.get("a"), mod.get("b")) == (a, b)  # refused: nothing changed
+    else:
+        assert isinstance(reply, int) and (len(mod.get("a")), len(mod.get("b"))) == (len(a), len(b))
+    assert mod.ping()
+
+
+def test_ping_names_the_module(mod):
+    assert mod.execute_command("ACC.PING") == b"accsum 1"
+    assert _module.server_has_module(mod)
+
+
+# -- the path an accumulator takes --------------------------------------------------------------
+
+
+def test_the_sum_stays_in_redis_one_gradient_whatever_the_workers(module_url, mod):
+    acc = make(module_url, reduction_type="SUM")
+    assert acc.sums_in_redis
+    grads = [np.full(MiB, float(i), np.float32) for i in range(1, 6)]
+    for g in grads:
+        assert acc.apply_grad(g, local_step=0)
+    (entry,) = mod.lrange(acc._keys.grads, 0, -1)
+    parts = entry_key_names(entry)
+    assert entry.startswith(b"s5 4 ") and sum(mod.strlen(k) for k in parts) == 4 * MiB
+    blobs = [k for k in mod.scan_iter(match=acc._keys.pattern) if b":b:" in k]
+    assert sorted(blobs) == sorted(parts)  # the applied gradients' own parts are freed
+    assert int(mod.hget(acc._keys.state, "bytes")) == 4 * MiB
+    np.testing.assert_array_equal(acc.take_grad(5), np.full(MiB, 15.0, np.float32))
+
+
+def test_a_later_opener_follows_the_stored_path(module_url, mod):
+    first = make(module_url, sum_in_redis=False)
+    assert not first.sums_in_redis and not make(module_url).sums_in_redis
+    other = make(module_url, "other")
+    assert other.sums_in_redis and make(module_url, "other", sum_in_redis=False).sums_in_redis
+
+
+def test_types_the_module_does_not_add_stay_on_the_plain_path(module_url):
+    assert not make(module_url, "h", dtype=np.float16).sums_in_redis
+    assert not make(module_url, "c", dtype=np.complex64).sums_in_redis
+    with pytest.raises(accumulator.InvalidArgumentError, match="float16"):
+        make(module_url, "h2", dtype=np.float16, sum_in_redis=True)
+    sparse = accumulator.SparseConditionalAccumulator(np.float32, (10, 2), "s", client=module_url)
+    assert not sparse.sums_in_redis
+
+
+def test_sum_in_redis_needs_the_module(real_url):
+    redis.Redis.from_url(real_url).flushdb()
+    with pytest.raises(accumulator.UnavailableError, match="accsum"):
+        make(real_url, sum_in_redis=True)
+    assert not make(real_url).sums_in_redis
+    with pytest.raises(accumulator.InvalidArgumentError, match="sum_in_redis"):
+        make(real_url, "x", sum_in_redis="yes")
+
+
+def test_a_server_that_lost_the_module_refuses_and_changes_nothing():
+    if find_server_binary() is None or _module.find_compiler() is None:
+        pytest.skip("needs redis-server and a C compiler")
+    with RedisServer(module=True, args=["--enable-module-command", "yes"]) as server:
+        acc = make(server.url)
+        acc.apply_grad(np.ones(MiB, np.float32), local_step=0)
+        r = redis.Redis.from_url(server.url)
+        assert r.execute_command("MODULE", "UNLOAD", "accsum") == b"OK"
+        before = {k: r.dump(k) for k in r.scan_iter(match=acc._keys.pattern)}
+        with pytest.raises(accumulator.UnavailableError, match="accsum module"):
+            acc.apply_grad(np.ones(MiB, np.float32), local_step=0)
+        after = {k: r.dump(k) for k in r.scan_iter(match=acc._keys.pattern)}
+        assert after.keys() - before.keys() == set() and acc.num_accumulated() == 1
+        # the round taken so far is still readable without the module
+        np.testing.assert_array_equal(acc.take_grad(1), np.ones(MiB, np.float32))
+
+
+def test_the_worker_role_with_the_module_rules(module_url, mod):
+    mod.execute_command(*_acl.setuser_command("worker", "w1", "pw", module=True).split())
+    mod.execute_command(*_acl.setuser_command("worker", "w2", "pw").split())
+    try:
+        url1 = module_url.replace("redis://", "redis://w1:pw@")
+        url2 = module_url.replace("redis://", "redis://w2:pw@")
+        acc = make(url1, reduction_type="SUM")
+        assert acc.sums_in_redis
+        acc.apply_grad(np.ones(MiB, np.float32), local_step=0)
+        with pytest.raises(accumulator.PermissionDeniedError, match="ACC.PING"):
+            make(url2, reduction_type="SUM").apply_grad(np.ones(MiB, np.float32), local_step=0)
+        acc.apply_grad(np.ones(MiB, np.float32), local_step=0)
+        np.testing.assert_array_equal(acc.take_grad(2), np.full(MiB, 2.0, np.float32))
+    finally:
+        mod.execute_command("ACL", "DELUSER", "w1", "w2")
+
+
+# -- a sanitizer build --------------------------------------------------------------------------
+
+
+def _asan_runtime() -> str | None:
+    cc = _module.find_compiler()
+    if cc is None:
+        return None
+    out = subprocess.run([cc, "-print-file-name=libasan.so"], capture_output=True, text=True,
+                         check=False).stdout.strip()  # fmt: skip
+    return out if out and os.path.isabs(out) and os.path.exists(out) else None
+
+
+@pytest.mark.slow
+def test_the_module_under_address_sanitizer(tmp_path):
+    """The module built with -fsanitize=address,undefined, loaded into a server that preloads
+    the ASan runtime: every command of the fuzz above, and a whole accumulator round."""
+    binary, runtime = find_server_binary(), _asan_runtime()
+    if binary is None or runtime is None:
+        pytest.skip("needs redis-server and a compiler with AddressSanitizer")
+    so = _module.build(sanitize=True, out_dir=tmp_path)
+    assert so is not None
+    port = 20000 + os.getpid() % 20000
+    log = tmp_path / "asan.log"
+    env = dict(os.environ, LD_PRELOAD=runtime, UBSAN_OPTIONS="print_stacktrace=1",
+               ASAN_OPTIONS=f"detect_leaks=0:log_path={log}")  # fmt: skip
+    proc = subprocess.Popen([binary, "--port", str(port), "--save", "", "--appendonly", "no",
+                             "--loadmodule", str(so)], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)  # fmt: skip
+    try:
+        r = redis.Redis(port=port, socket_timeout=30)
+        for _ in range(100):
+            try:
+                r.ping()
+                break
+            except redis.ConnectionError:
+                time.sleep(0.1)
+        rng = np.random.default_rng(3)
+        for dtype in DTYPES:
+            for n in (0, 1, 7, 4096):
+                size = n * np.dtype(dtype).itemsize
+                r.set("a", rng.bytes(size))
+                r.set("b", rng.bytes(size))
+                r.execute_command("ACC.ADD", "a", "b", _module.module_dtype(np.dtype(dtype)))
+        for command, _ in BAD:
+            r.set("a", b"\0" * 12)
+            r.set("c", b"\0" * 12)
+            with pytest.raises(redis.ResponseError):
+                r.execute_command(*command)
+        acc = make(f"redis://127.0.0.1:{port}/0", shape=(3 * MiB // 4 + 5,), reduction_type="SUM")
+        for _ in range(3):
+            acc.apply_grad(np.ones(3 * MiB // 4 + 5, np.float32), local_step=0)
+        assert acc.take_grad(3)[-1] == 3.0
+        assert r.ping()
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=30)
+    reports = [p.read_text() for p in tmp_path.glob("asan.log*")]
+    assert not reports, reports
+    assert b"runtime error" not in err, err.decode(errors="replace")[-3000:]
+
+
+def test_the_build_is_cached_and_needs_only_a_compiler(tmp_path, monkeypatch):
+    if _module.find_compiler() is None:
+        pytest.skip("no C compiler")
+    first = _module.build(out_dir=tmp_path)
+    assert first is not None and first.exists()
+    mtime = first.stat().st_mtime_ns
+    assert _module.build(out_dir=tmp_path) == first and first.stat().st_mtime_ns == mtime
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    monkeypatch.delenv("CC", raising=False)
+    assert shutil.which("cc") is None
+    assert _module.build(out_dir=tmp_path / "other") is None
+
+
+def test_the_cli_builds_the_module_and_prints_its_path(capsys):
+    if _module.find_compiler() is None:
+        pytest.skip("no C compiler")
+    from accumulator._cli import main
+
+    assert main(["module", "build"]) == 0
+    path = capsys.readouterr().out.strip()
+    assert path.endswith(".so") and os.path.exists(path)
