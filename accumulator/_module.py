@@ -37,7 +37,7 @@ _DTYPES = {
     "uint16": "u16", "int32": "i32", "uint32": "u32", "int64": "i64", "uint64": "u64",
 }  # fmt: skip
 
-_FLAGS = ["-O2", "-std=c99", "-fPIC", "-shared", "-Wall", "-Wextra", "-Werror"]
+_FLAGS = ["-O3", "-std=c99", "-fPIC", "-shared", "-Wall", "-Wextra", "-Werror"]
 
 
 def module_dtype(dtype: np.dtype) -> str | None:
