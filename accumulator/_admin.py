@@ -25,6 +25,7 @@ from ._admin_job import (
     JobWorker,
     chief_lease_key,
     delete_job,
+    delete_param_versions,
     describe_job,
     parse_worker_counters,
 )
@@ -45,6 +46,7 @@ __all__ = [
     "delete",
     "evict",
     "delete_job",
+    "delete_param_versions",
     "describe",
     "describe_job",
     "list_accumulators",

@@ -285,7 +285,14 @@ def delete_job(
         except NotFoundError:
             continue
     removed += int(r.unlink(keys.params, keys.stats, chief_lease_key(keys)))
+    removed += delete_param_versions(r, keys)
     if removed == 0:
         where = f" in container {container!r}" if container else ""
         raise NotFoundError(f"no sync job named {job!r}{where}")
     return removed
+
+
+def delete_param_versions(r: redis.Redis, keys: SyncKeys) -> int:
+    """Delete the parts of every published parameter version of a job; returns how many."""
+    found = list(r.scan_iter(match=keys.versions_pattern, count=1000))
+    return sum(int(r.unlink(*found[i : i + 500])) for i in range(0, len(found), 500))

@@ -43,7 +43,7 @@ from ._errors import (
     UnavailableError,
 )
 from ._keys import SCHEMA_VERSION, Keys
-from ._stream import ClaimReader, Source
+from ._stream import ClaimReader, Source, write_parts
 
 logger = logging.getLogger("accumulator")
 
@@ -452,8 +452,8 @@ class AccumulatorBase:
             # The parts, each one chunk, straight from the caller's buffer (memoryview
             # slices: no copy). NX: a retry must not re-arm the orphan expiry of a payload
             # already accepted.
-            for i, (start, stop) in enumerate(_chunks.part_ranges(nbytes)):
-                pipe.set(k.part(blob, i), payload[start:stop], nx=True, px=ORPHAN_TTL_MS)
+            parts = [k.part(blob, i) for i in range(_chunks.n_parts(nbytes))]
+            write_parts(pipe, parts, payload, nx=True, px=ORPHAN_TTL_MS)
             pipe.execute_command(*_scripts.evalsha_args("apply", keys, args))
             *stored, reply = pipe.execute(raise_on_error=False)
             if isinstance(reply, NoScriptError):

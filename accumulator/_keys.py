@@ -221,10 +221,14 @@ class Keys:
     @cached_property
     def pattern(self) -> str:
         """SCAN MATCH pattern for every key of this accumulator (for delete and inspection)."""
-        out = self.base
-        for ch in "\\*?[]":  # backslash first, or its own escapes get doubled
-            out = out.replace(ch, "\\" + ch)
-        return out + ":*"
+        return glob_escape(self.base) + ":*"
+
+
+def glob_escape(text: str) -> str:
+    """``text`` as a literal inside a SCAN MATCH pattern."""
+    for ch in "\\*?[]":  # backslash first, or its own escapes get doubled
+        text = text.replace(ch, "\\" + ch)
+    return text
 
 
 def is_done_mark(value: bytes | str) -> bool:
@@ -248,9 +252,13 @@ class SyncKeys:
     key                        type     contents
     =========================  =======  ======================================================
     ``accsync:{tag}:p``         hash     the published state: ``run`` (id of this job's
-                                        initialization), ``step``, ``done`` (0/1), ``meta``
-                                        (msgpack: parameter specs, reduction, replicas) and
-                                        ``v:<param>`` (raw little-endian bytes, C order)
+                                        initialization), ``step``, ``done`` (0/1) and ``meta``
+                                        (msgpack: parameter specs, reduction, replicas)
+    ``accsync:{tag}:v:<run>:<step>:<j>:<i>``
+                                string   part ``i`` of parameter ``j`` (in the specs' order)
+                                        as published at (run, step): raw little-endian bytes,
+                                        C order, in parts of one chunk; the previous version
+                                        expires a minute after a newer one is published
     ``accsync:{tag}:st``        hash     push counters: ``pushes``, ``partial``, ``stale``
                                         and per worker ``w:<id>:pushes|partial|stale``,
                                         ``w:<id>:seen_ms`` (server time of its last push) and
@@ -286,3 +294,15 @@ class SyncKeys:
     @property
     def channel(self) -> str:
         return self.base + ":ch"
+
+    @property
+    def versions_pattern(self) -> str:
+        """SCAN MATCH pattern for the parts of every published parameter version."""
+        return glob_escape(self.base) + ":v:*"
+
+    def param_parts(self, run: str, step: int, index: int, nbytes: int) -> list[str]:
+        """The keys of parameter ``index`` (of ``nbytes``) as published at (run, step)."""
+        from ._chunks import n_parts
+
+        head = f"{self.base}:v:{run}:{step}:{index}:"
+        return [head + str(i) for i in range(n_parts(nbytes))]

@@ -121,3 +121,40 @@ class ClaimReader:
                 pieces += self._fetch_whole([s[j] for j in window])
             out.append(pieces[0] if len(pieces) == 1 else b"".join(pieces))
         return out
+
+
+def write_parts(
+    pipe: Any, keys: Sequence[str | bytes], data: memoryview, **set_kwargs: Any
+) -> None:
+    """Queue one SET per part of ``data`` (a flat byte view: memoryview slices, no copy) on
+    ``pipe``; ``keys`` has one key per part (``_chunks.part_ranges``)."""
+    ranges = _chunks.part_ranges(data.nbytes)
+    if len(keys) != len(ranges):
+        raise ValueError(f"{len(keys)} keys for {len(ranges)} parts")
+    for key, (start, stop) in zip(keys, ranges, strict=True):
+        pipe.set(key, data[start:stop], **set_kwargs)
+
+
+def read_parts_into(
+    commands: redis.Redis, io: Callable[[str, Callable[[], Any]], Any], keys: Sequence[str],
+    out: memoryview, what: str,
+) -> bool:  # fmt: skip
+    """Fill ``out`` (a flat writable byte view) from its parts, a window of them per round
+    trip; False when a part is missing or of the wrong length (nothing is trusted)."""
+    ranges = _chunks.part_ranges(out.nbytes)
+    if len(keys) != len(ranges):
+        raise ValueError(f"{len(keys)} keys for {len(ranges)} parts")
+    for window in _chunks.windows(len(ranges), 1):
+
+        def run(window: range = window) -> list[Any]:
+            pipe = commands.pipeline(transaction=False)
+            for j in window:
+                pipe.get(keys[j])
+            return pipe.execute()
+
+        for j, value in zip(window, io(what, run), strict=True):
+            start, stop = ranges[j]
+            if value is None or len(value) != stop - start:
+                return False
+            out[start:stop] = value
+    return True

@@ -61,6 +61,69 @@ def _worker(url: str, name: str, nbytes: int, index: int, conn: Any) -> None:
     acc.close()
 
 
+def _sync_worker(url: str, job: str, nbytes: int, index: int, conn: Any) -> None:
+    from accumulator.sync import Worker
+
+    worker = Worker(job, client=url, worker_id=f"w{index}")
+    step, _ = worker.pull(timeout=60)
+    grad = {"p": np.full(nbytes // 4, float(index + 1), np.float32)}
+    conn.send("ready")
+    while True:
+        if conn.recv() is None:
+            break
+        worker.push(step, grad)
+        step, _ = worker.pull(after=step, timeout=600)
+        conn.send("pulled")
+    worker.close()
+
+
+def run_sync(url: str, sizes: dict[str, int], workers: int, runs: int,
+             verbose: bool) -> list[tuple[str, int, float]]:  # fmt: skip
+    """The sync helper's step: every worker pushes, the chief steps (takes, updates,
+    publishes), every worker pulls the new parameters; (size, W, median ms) per size."""
+    from accumulator.sync import ParameterServer
+
+    out = []
+    ctx = mp.get_context("spawn")
+    r = redis.Redis.from_url(url)
+    for label, nbytes in sizes.items():
+        r.flushall()
+        job = f"sync/{label}/{workers}"
+        ps = ParameterServer(job, replicas_to_aggregate=workers, client=url)
+        ps.initialize({"p": np.zeros(nbytes // 4, np.float32)})
+        pipes, procs = [], []
+        for i in range(workers):
+            mine, theirs = ctx.Pipe()
+            proc = ctx.Process(target=_sync_worker, args=(url, job, nbytes, i, theirs),
+                               daemon=True)  # fmt: skip
+            proc.start()
+            pipes.append(mine)
+            procs.append(proc)
+        for c in pipes:
+            assert c.recv() == "ready"
+        times = []
+        n_runs = runs if nbytes <= 64 * MiB else max(2, runs // 5)
+        for i in range(n_runs + 1):
+            t = time.perf_counter()
+            for c in pipes:
+                c.send("go")
+            ps.step(0.001, timeout=600)
+            for c in pipes:
+                assert c.recv() == "pulled"
+            if i > 0:
+                times.append(time.perf_counter() - t)
+        for c in pipes:
+            c.send(None)
+        for proc in procs:
+            proc.join(30)
+        ps.close()
+        out.append((label, workers, 1000 * statistics.median(times)))
+        if verbose:
+            print(f"  sync   W={workers} {label:>7}: {out[-1][2]:9.2f} ms", file=sys.stderr)
+    r.close()
+    return out
+
+
 class _Probe:
     """PINGs Redis every 5 ms on its own connection and samples ``used_memory``."""
 
@@ -223,11 +286,26 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print("no C compiler: the module path is not measured", file=sys.stderr)
     rows: list[StepRow] = []
+    sync: list[tuple[str, int, float]] = []
     for path, module in paths:
         with RedisServer(module=module, args=["--maxmemory", "0"]) as server:
             for w in args.workers:
                 rows += run_path(server.url, path, sizes, w, args.runs, not args.quiet)
+            if path == paths[0][0]:  # the sync helper on the default server
+                sync = run_sync(server.url, sizes, max(args.workers), args.runs, not args.quiet)
     print(render(rows))
+    if sync:
+        by = {(r.size, r.workers): r for r in rows if r.path == paths[0][0]}
+        print()
+        print(f"sync helper step (push, chief step, pull) on the {paths[0][0]} path, medians:")
+        print()
+        print("| gradient | W | sync step | accumulator step | ratio |")
+        print("|---|---:|---:|---:|---:|")
+        for label, w, ms in sync:
+            base = by.get((label, w))
+            ratio = f"{ms / base.step_ms:.2f}" if base else "—"
+            print(f"| {label} | {w} | {ms:.2f} ms | "
+                  f"{base.step_ms if base else float('nan'):.2f} ms | {ratio} |")  # fmt: skip
     if args.json:
         with contextlib.suppress(OSError), open(args.json, "w") as f:
             json.dump([asdict(r) for r in rows], f, indent=1)

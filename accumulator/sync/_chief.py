@@ -19,12 +19,17 @@ import redis
 from .. import _admin, _retry
 from .._errors import DeadlineExceededError, NotFoundError
 from .._keys import Keys, is_done_mark
+from .._stream import write_parts
 from ._job import TrainingFinished, _Job, _text, accumulator_name
 from ._lease import CHIEF_LEASE_SECONDS, _ChiefLease, chief_key
 from ._params import Update, apply_update, specs_for, zero_grad
-from ._published import ParamSpec, Published, encode_published
+from ._published import ParamSpec, Published, encode_published, nbytes_of, param_bytes
 
 logger = logging.getLogger("accumulator.sync")
+
+#: How long the parts of a superseded parameter version stay readable (a reader may be in
+#: the middle of them); after that it reads the newer version.
+_OLD_VERSION_MS = 60 * 1000
 
 
 class ParameterServer(_Job):
@@ -76,6 +81,9 @@ class ParameterServer(_Job):
         self._step: int | None = None
         self._run = ""
         self._done = False
+        #: (run, step) of the parameters this chief last published or resumed from: its parts
+        #: are set to expire once a newer version is published
+        self._published_version: tuple[str, int] | None = None
         # Gradients already taken for the current step when a step() timed out part-way:
         # the next step() continues from there instead of taking those parameters twice.
         # After a restart it also holds the zero gradients of parameters whose round the
@@ -186,6 +194,7 @@ class ParameterServer(_Job):
     def _resume(self, published: Published) -> int:
         self._open_accumulators(published.specs, published.reduction)
         self._params, self._run = published.params, published.run
+        self._published_version = (published.run, published.step)
         self._taken, self._done = {}, False
         at = published.step
         steps = {name: acc.global_step() for name, acc in self._accs.items()}
@@ -283,22 +292,45 @@ class ParameterServer(_Job):
                 self._io("deleting an accumulator",
                          lambda: _admin.delete(self.redis, shared, self.container))  # fmt: skip  # noqa: B023
         self._io("deleting the job", lambda: self.redis.delete(self.keys.params, self.keys.stats))
+        self._io("deleting the job", lambda: _admin.delete_param_versions(self.redis, self.keys))
 
     def _publish(self, *, meta: bool = False, done: bool = False) -> None:
+        run, step = self._run, self.global_step
         mapping = encode_published(
-            self._run, self.global_step, done, self._specs, self._params,
+            run, step, done, self._specs,
             (self.replicas_to_aggregate, self.reduction_type) if meta else None,
         )  # fmt: skip
+        parts = []
+        for j, spec in enumerate(self._specs):
+            data = param_bytes(spec, self._params[spec.name])
+            parts.append((self.keys.param_parts(run, step, j, data.nbytes), data))
+        previous = self._published_version
+        old_keys = [] if previous in (None, (run, step)) else self._version_keys(*previous)
 
         def publish() -> None:
-            # One HSET: readers (HGETALL) see either the old step and parameters or the new
-            # ones. Sent again after a fault, it writes the same values.
+            # The new version's parts first (one chunk per command), then one MULTI switches
+            # the hash to it: readers see either the old step and parameters or the new ones.
+            # The previous version stays readable for a minute (a reader may be in the middle
+            # of it). Sent again after a fault, it writes the same values.
+            pipe = self.redis.pipeline(transaction=False)
+            for keys, data in parts:
+                write_parts(pipe, keys, data)
+            pipe.execute()
             pipe = self.redis.pipeline(transaction=True)
             pipe.hset(self.keys.params, mapping=mapping)
             pipe.publish(self.keys.channel, str(self._step))
+            for i in range(0, len(old_keys), 500):
+                for key in old_keys[i : i + 500]:
+                    pipe.pexpire(key, _OLD_VERSION_MS)
             pipe.execute()
 
         self._io("publishing", publish)
+        self._published_version = (run, step)
+
+    def _version_keys(self, run: str, step: int) -> list[str]:
+        """Every part key of the parameters as published at (run, step)."""
+        return [key for j, spec in enumerate(self._specs)
+                for key in self.keys.param_parts(run, step, j, nbytes_of(spec))]  # fmt: skip
 
     def step(self, update: Update, timeout: float | None = None, *, final: bool = False) -> int:
         """Take ``replicas_to_aggregate`` gradients of every parameter, apply ``update``,

@@ -3,19 +3,23 @@ the parameters, reading the published state, and the job's statistics."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import numpy as np
 import redis
 
 from .. import _admin, _retry
+from .._codec import wire_dtype
 from .._connection import connect
 from .._core import AccumulatorBase
 from .._dense import ConditionalAccumulator
 from .._keys import Keys, SyncKeys
 from .._sparse import SparseConditionalAccumulator
-from ._published import ParamSpec, Published, decode_published
+from .._stream import read_parts_into
+from ._published import ParamSpec, Published, decode_published, nbytes_of
 
 
 class TrainingFinished(Exception):
@@ -168,18 +172,43 @@ class _Job:
         self._accs = {}
 
     def _read_published(self, with_params: bool = True) -> Published | None:
-        """The published state, read in one HGETALL (a consistent snapshot); retried through
-        Redis faults."""
+        """The published state (one HMGET, a consistent snapshot) and, ``with_params``, the
+        parameters of the version it names, read in chunks into fresh arrays; retried
+        through Redis faults. A version that expired under the reader (the chief published
+        twice meanwhile) is read again, at the newer version."""
         fields = ("run", "step", "done", "meta")
-        raw: dict[Any, Any]
-        if with_params:
-            raw = self._io("reading the parameters", lambda: self.redis.hgetall(self.keys.params))
-        else:
+        missing: tuple[str, int] | None = None
+        while True:
             values: list[Any] = self._io(
                 "reading the published step", lambda: self.redis.hmget(self.keys.params, fields)
             )
             raw = {f.encode(): v for f, v in zip(fields, values, strict=True) if v is not None}
-        return decode_published(self.job, raw, with_params)
+            published = decode_published(self.job, raw)
+            if published is None or not with_params:
+                return published
+            params = self._read_params(published)
+            if params is not None:
+                return dataclasses.replace(published, params=params)
+            version = (published.run, published.step)
+            if version == missing:  # still the published version: its parts are gone
+                raise RuntimeError(
+                    f"sync job {self.job!r}: the parameters published at step "
+                    f"{published.step} are missing from Redis (deleted or evicted)"
+                )
+            missing = version
+
+    def _read_params(self, published: Published) -> dict[str, np.ndarray] | None:
+        """Every parameter of the published version, or None when a part of it is gone."""
+        params: dict[str, np.ndarray] = {}
+        for j, spec in enumerate(published.specs):
+            nbytes = nbytes_of(spec)
+            wire = np.empty(spec.shape, wire_dtype(spec.dtype))
+            keys = self.keys.param_parts(published.run, published.step, j, nbytes)
+            flat = wire.reshape(-1).view(np.uint8).data
+            if not read_parts_into(self.redis, self._io, keys, flat, "reading the parameters"):
+                return None
+            params[spec.name] = wire.astype(spec.dtype, copy=False)  # native order
+        return params
 
     def stats(self) -> SyncStats:
         """Published step, push counters and every accumulator's statistics (one round trip

@@ -1,7 +1,11 @@
-"""The published state of a sync job: one hash (``accsync:{tag}:p``) holding ``run``,
-``step``, ``done``, ``meta`` (msgpack: the parameter specs, replicas, reduction) and each
-parameter's raw little-endian bytes as ``v:<param>`` (never pickle). Written by the chief in
-one HSET, read by everyone in one HGETALL."""
+"""The published state of a sync job: one small hash (``accsync:{tag}:p``) holding ``run``,
+``step``, ``done`` and ``meta`` (msgpack: the parameter specs, replicas, reduction), and each
+parameter's raw little-endian bytes (never pickle) in parts of one chunk under keys of their
+version, ``accsync:{tag}:v:<run>:<step>:<j>:<i>`` (no command moves more than a chunk).
+
+The chief writes a version's parts first, then switches the hash to it in one MULTI, and
+lets the previous version expire a minute later: a reader reads the hash, then the parts of
+the version it names; if that version is gone (two publishes meanwhile), it reads again."""
 
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ from .._codec import format_shape, resolve_dtype, wire_dtype
 if TYPE_CHECKING:
     from redis.typing import EncodableT, FieldT
 
-META_VERSION = 1
+META_VERSION = 2  # 2: parameters in parts under versioned keys
 
 
 @dataclass(frozen=True)
@@ -59,11 +63,11 @@ def encode_published(
     step: int,
     done: bool,
     specs: list[ParamSpec],
-    params: Mapping[str, np.ndarray],
     meta: tuple[int, str] | None = None,
 ) -> dict[FieldT, EncodableT]:
-    """The fields of one publish: run, step, done flag, every parameter's bytes and, with
-    ``meta`` (replicas, reduction), the metadata (the specs)."""
+    """The hash fields of one publish: run, step, done flag and, with ``meta`` (replicas,
+    reduction), the metadata (the specs). The parameters go to their parts
+    (:func:`param_bytes`)."""
     mapping: dict[FieldT, EncodableT] = {"run": run, "step": step, "done": int(done)}
     if meta is not None:
         replicas, reduction = meta
@@ -72,15 +76,22 @@ def encode_published(
              "replicas": replicas, "reduction": reduction},
             use_bin_type=True,
         )  # fmt: skip
-    for spec in specs:
-        arr = np.ascontiguousarray(params[spec.name], dtype=wire_dtype(spec.dtype))
-        mapping["v:" + spec.name] = arr.tobytes()
     return mapping
 
 
-def decode_published(job: str, raw: Mapping[bytes, Any], with_params: bool) -> Published | None:
-    """The published state from the hash's fields (None: nothing published); the parameters
-    only ``with_params``."""
+def param_bytes(spec: ParamSpec, value: np.ndarray) -> memoryview:
+    """A parameter's wire bytes, as a flat byte view (no copy when already in wire form)."""
+    arr = np.ascontiguousarray(value, dtype=wire_dtype(spec.dtype))
+    return arr.reshape(-1).view(np.uint8).data
+
+
+def nbytes_of(spec: ParamSpec) -> int:
+    return int(np.prod(spec.shape, dtype=np.int64)) * spec.dtype.itemsize
+
+
+def decode_published(job: str, raw: Mapping[bytes, Any]) -> Published | None:
+    """The published state from the hash's fields (None: nothing published), without the
+    parameters (read from their parts)."""
     if raw.get(b"meta") is None or raw.get(b"step") is None:
         return None
     meta = msgpack.unpackb(raw[b"meta"], raw=False)
@@ -91,13 +102,6 @@ def decode_published(job: str, raw: Mapping[bytes, Any], with_params: bool) -> P
         )
     specs = [ParamSpec.unpack(p) for p in meta["params"]]
     params: dict[str, np.ndarray] = {}
-    if with_params:
-        for spec in specs:
-            data = raw.get(b"v:" + spec.name.encode())
-            if data is None:
-                raise RuntimeError(f"sync job {job!r}: parameter {spec.name!r} missing")
-            arr = np.frombuffer(data, dtype=wire_dtype(spec.dtype)).reshape(spec.shape)
-            params[spec.name] = arr.astype(spec.dtype)  # a writable copy in native order
     return Published(
         run=raw[b"run"].decode(), step=int(raw[b"step"]), done=raw.get(b"done") == b"1",
         specs=specs, replicas=int(meta["replicas"]), reduction=meta["reduction"],

@@ -1,0 +1,109 @@
+"""The sync helper's parameter broadcast in chunks: parts of one chunk under versioned keys,
+switched in one MULTI, the previous version kept readable for a minute."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from accumulator import _chunks
+from accumulator._keys import SyncKeys
+from accumulator.sync import ParameterServer, Worker
+
+CHUNK = _chunks.CHUNK_BYTES
+
+
+def _params() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(5)
+    return {"big": rng.standard_normal(3 * CHUNK // 8 + 11),  # float64: 4 parts, the last short
+            "small": np.arange(6, dtype=np.float32).reshape(2, 3)}  # fmt: skip
+
+
+def _values(r, keys: SyncKeys) -> dict[bytes, int]:
+    return {k: r.strlen(k) for k in r.scan_iter(match=keys.versions_pattern)}
+
+
+def test_large_parameters_travel_in_parts_and_old_versions_expire(target):
+    r = target.redis()
+    ps = ParameterServer("big", replicas_to_aggregate=1, client=target.client())
+    ps.initialize(_params())
+    keys = SyncKeys("", "big")
+    first = _values(r, keys)
+    assert len(first) == 4 + 1 and max(first.values()) == CHUNK  # no value over a chunk
+    assert all(r.pttl(k) == -1 for k in first)
+    assert r.hget(keys.params, "v:big") is None  # the hash is small: no parameter bytes
+    worker = Worker("big", client=target.client())
+    step, params = worker.pull(timeout=5)
+    for name, value in _params().items():
+        np.testing.assert_array_equal(params[name], value)
+        assert params[name].dtype == value.dtype and params[name].flags.writeable
+    grad = {"big": np.ones_like(_params()["big"]), "small": np.ones((2, 3), np.float32)}
+    worker.push(step, grad)
+    assert ps.step(0.5, timeout=5) == 1
+    now = _values(r, keys)
+    old, new = set(first), set(now) - set(first)
+    assert len(new) == 5
+    assert all(0 < r.pttl(k) <= 60_000 for k in old)  # readable for a minute more
+    assert all(r.pttl(k) == -1 for k in new)
+    step, params = worker.pull(after=0, timeout=5)
+    np.testing.assert_array_equal(params["big"], _params()["big"] - 0.5)
+    worker.close()
+    ps.close()
+
+
+def test_a_reader_whose_version_vanished_reads_the_newer_one(target):
+    r = target.redis()
+    ps = ParameterServer("v", replicas_to_aggregate=1, client=target.client())
+    ps.initialize(_params())
+    worker = Worker("v", client=target.client())
+    keys = SyncKeys("", "v")
+    original = worker._read_params
+    calls = []
+
+    def read_params(published):
+        calls.append(published.step)
+        if len(calls) == 1:  # the chief publishes twice while this reader is slow
+            w2 = Worker("v", client=target.client())
+            w2.pull(timeout=5)
+            w2.push(0, {"big": np.ones(_params()["big"].shape), "small": np.ones((2, 3))})
+            ps.step(1.0, timeout=5)
+            w2.close()
+            for k in r.scan_iter(match=keys.versions_pattern):
+                if r.pttl(k) > 0:
+                    r.delete(k)  # its minute is over
+        return original(published)
+
+    worker._read_params = read_params
+    step, params = worker.pull(timeout=5)
+    assert calls == [0, 1] and step == 1
+    np.testing.assert_array_equal(params["big"], _params()["big"] - 1.0)
+    worker.close()
+    ps.close()
+
+
+def test_parameters_deleted_from_redis_are_a_clear_error(target):
+    r = target.redis()
+    ps = ParameterServer("gone", replicas_to_aggregate=1, client=target.client())
+    ps.initialize(_params())
+    for k in r.scan_iter(match=SyncKeys("", "gone").versions_pattern):
+        r.delete(k)
+    worker = Worker("gone", client=target.client())
+    with pytest.raises(RuntimeError, match="missing from Redis"):
+        worker.pull(timeout=5)
+    worker.close()
+    ps.close()
+
+
+def test_a_new_run_and_a_job_delete_leave_no_version_behind(target):
+    from accumulator import _admin
+
+    r = target.redis()
+    ps = ParameterServer("n", replicas_to_aggregate=1, client=target.client())
+    ps.initialize(_params())
+    ps.initialize(_params(), resume=False)  # a new run: the old run's versions go
+    keys = SyncKeys("", "n")
+    assert len(_values(r, keys)) == 5
+    ps.finish()
+    _admin.delete_job(r, "n")
+    assert _values(r, keys) == {}
+    ps.close()
