@@ -45,11 +45,13 @@ Semantics:
   raises :class:`~accumulator.InvalidArgumentError` naming the parameter and nothing is
   applied. A push that fails later (Redis unreachable past the retry window, a full round)
   may have applied some tensors; pushing again at the same step applies only the others.
-- The parameters travel through Redis: one hash holding the step, a run id, a ``done`` flag,
-  msgpack metadata and each parameter's raw little-endian bytes (never pickle). A publish is
-  one HSET (atomic: a reader never sees the parameters of one step with another's step
-  number) followed by a PUBLISH; waiting workers sleep on that pub/sub channel and re-check
-  the hash at least every ``POLL_SLICE`` seconds, so a lost message only costs latency.
+- The parameters travel through Redis: a small hash holding the step, a run id, a ``done``
+  flag and msgpack metadata, and each parameter's raw little-endian bytes (never pickle) in
+  parts of 1 MiB under keys of their version (run, step). A publish writes the new version's
+  parts, then switches the hash to it in one MULTI with a PUBLISH (a reader never sees the
+  parameters of one step with another's step number); the previous version stays readable
+  for a minute. Waiting workers sleep on that pub/sub channel and re-check the hash at least
+  every ``POLL_SLICE`` seconds, so a lost message only costs latency.
 - Redis faults are ridden out: every command of the chief and the workers (publish, reads,
   counters, pub/sub waits, and the accumulators' own) is retried for ``retry_window`` seconds
   (30 by default: a restart or failover), and a waiting worker subscribes again after its
