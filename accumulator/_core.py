@@ -66,8 +66,8 @@ DEDUP_TTL_MS = 600 * 1000
 #: gone and the next take hands its round over (nothing is lost with a crashed chief).
 CLAIM_LEASE_MS = 5 * 1000
 CLAIM_LEASE_MS_PER_MIB = 50  # 20 MiB/s: far below loopback or LAN speed
-#: The largest gradient payload: 16 GiB (stored in parts of one chunk each). A guard against a
-#: mistaken broadcast view more than a limit of Redis: the taker holds one such result.
+#: The largest gradient payload: 16 GiB (stored in parts of one chunk each, so Redis itself
+#: sets no limit). A guard against a mistaken broadcast view: the taker holds one result.
 MAX_PAYLOAD_BYTES = 16 * 1024**3
 #: Safety-net expiry of a private (unnamed) accumulator, renewed by every write.
 PRIVATE_TTL_MS = 24 * 3600 * 1000
@@ -344,8 +344,10 @@ class AccumulatorBase:
         if self._want_sum is False or self._kind != "dense":
             return ""
         name = _module.module_dtype(self.dtype)
-        if self._want_sum is None:
-            return name or "" if _module.server_has_module(self._conns.commands) else ""
+        if self._want_sum is None:  # the server decides
+            if name is None or not _module.server_has_module(self._conns.commands):
+                return ""
+            return name
         if name is None:
             raise InvalidArgumentError(
                 f"sum_in_redis=True: the accsum module does not add {self.dtype.name} "
@@ -601,7 +603,6 @@ class AccumulatorBase:
             "out, and another taker took the round over; this take returns nothing"
         )
 
-
     def _timeout_message(self, n: int, timeout: float) -> str:
         """TF's text, then what was there: which accumulator, how many of how many, when."""
         where = repr(self._shared_name)
@@ -662,12 +663,11 @@ class AccumulatorBase:
         it names (to free once used)."""
         step, count, nbytes, round_shape = _parse_header(entries[0])
         sources: list[Source] = []
-        weights: list[int] = []
         for entry in entries[1:]:
             keys = self._keys.entry_keys(entry)
             if keys is None:  # the take script checked every entry: this is not ours to follow
                 raise AccumulatorError(f"corrupt entry in claim {claim_key}: {entry[:100]!r}")
             sources.append(entry[1:] if entry[:1] == b"i" else keys)
-            weights.append(self._keys.entry_weight(entry))
-        reader = ClaimReader(self._conns.commands, self._io, sources, claim_key, weights)
+        # count (the header's) is the number of gradients: a sum kept in Redis holds several
+        reader = ClaimReader(self._conns.commands, self._io, sources, claim_key)
         return Claim(step, count, round_shape, nbytes, reader), reader.keys

@@ -31,13 +31,10 @@ class ClaimReader:
         io: Callable[[str, Callable[[], Any]], Any],
         sources: Sequence[Source],
         claim_key: str,
-        weights: Sequence[int] | None = None,
     ) -> None:
         self._commands = commands
         self._io = io
         self.sources = list(sources)
-        #: how many gradients each source holds (a running sum kept in Redis holds several)
-        self.weights = list(weights) if weights is not None else [1] * len(self.sources)
         self._claim_key = claim_key
 
     @property

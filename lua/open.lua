@@ -10,7 +10,7 @@
 local state = KEYS[1]
 if not own_keys({}) then return acc_error('BADKEY 1') end
 if not (is_count(ARGV[3]) and is_count(ARGV[4]) and (ARGV[5] == '0' or ARGV[5] == '1')
-    and string.find(ARGV[6] or '-', '^[fiu]?%d*$')) then
+    and string.find(ARGV[6] or '', '^[fiu]?%d*$')) then
   return acc_error('BADARG open')
 end
 local have = redis.call('HGET', state, 'schema')
