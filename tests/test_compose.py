@@ -25,6 +25,7 @@ from accumulator.testing import find_server_binary
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "docker-compose.yml"
 DOCKERFILE = ROOT / "scripts" / "Dockerfile"
+REDIS_DOCKERFILE = ROOT / "scripts" / "redis.Dockerfile"
 ENTRYPOINT = ROOT / "scripts" / "docker-entrypoint.sh"
 ENV_EXAMPLE = ROOT / ".env.example"
 DOCKERIGNORE = ROOT / ".dockerignore"
@@ -265,13 +266,13 @@ def _pinned(ref: str) -> bool:
 
 def test_every_image_is_pinned() -> None:
     images = re.findall(r"^\s*image:\s*['\"]?([^'\"\s]+)", _text(), re.M)
-    assert images, "no image: at all?"
     for image in images:
         assert _pinned(image), f"image {image} is not pinned to a version and a digest"
-    froms = re.findall(r"^FROM\s+(?:--\S+\s+)*(\S+)", DOCKERFILE.read_text(), re.M)
-    assert froms
-    for base in froms:
-        assert _pinned(base), f"FROM {base} is not pinned to a version and a digest"
+    for dockerfile in (DOCKERFILE, REDIS_DOCKERFILE):
+        froms = re.findall(r"^FROM\s+(?:--\S+\s+)*(\S+)", dockerfile.read_text(), re.M)
+        assert froms, dockerfile
+        for base in froms:
+            assert _pinned(base), f"FROM {base} is not pinned to a version and a digest"
     assert not _pinned("redis:7") and not _pinned("python:latest")
     assert not _pinned("python:3.12-slim")  # a digest is required too
     assert _pinned("python:3.12.15-slim-bookworm@sha256:" + "0" * 64)
@@ -340,10 +341,33 @@ def test_dockerignore_keeps_secrets_and_clutter_out() -> None:
         assert secret not in allowed
     for excluded in ("**/.env", "**/.git", "**/.venv", "**/__pycache__"):
         assert excluded in patterns
-    # everything the Dockerfile copies is in the context
-    for source in re.findall(r"^COPY\s+(?!--from)(.+)\s+\S+$", DOCKERFILE.read_text(), re.M):
-        for path in source.split():
-            assert path.rstrip("/") in allowed, f"COPY {path}: excluded by .dockerignore"
+    # everything the Dockerfiles copy is in the context
+    for dockerfile in (DOCKERFILE, REDIS_DOCKERFILE):
+        for source in re.findall(r"^COPY\s+(?!--from)(.+)\s+\S+$", dockerfile.read_text(), re.M):
+            for path in source.split():
+                assert any(path == a or path.startswith(a + "/") for a in allowed), (
+                    f"COPY {path}: excluded by .dockerignore"
+                )
+
+
+def test_redis_is_the_pinned_image_plus_our_module() -> None:
+    redis_block = _services()["redis"]
+    assert _value(redis_block, "image") is None  # built: scripts/redis.Dockerfile
+    build = "\n".join(_sub(redis_block, "build"))
+    assert re.search(r"^\s+context:\s*\.\s*$", build, re.M)
+    assert re.search(r"^\s+dockerfile:\s*scripts/redis\.Dockerfile\s*$", build, re.M)
+    text = REDIS_DOCKERFILE.read_text()
+    froms = re.findall(r"^FROM\s+(\S+)", text, re.M)
+    assert len(froms) == 2 and froms[0] == froms[1] and froms[0].startswith("redis:")
+    # the library's own flags (accumulator/_module.py), not a second opinion
+    from accumulator import _module
+
+    (cc,) = re.findall(r"^RUN cc (.+)$", text, re.M)
+    assert cc.split()[: len(_module._FLAGS)] == _module._FLAGS
+    assert "COPY accumulator/module/accsum.c /src/accsum.c" in text
+    (installed,) = re.findall(r"^COPY --from=build /src/accsum\.so (\S+)$", text, re.M)
+    env = "\n".join(_sub(redis_block, "environment"))
+    assert re.search(rf"^\s+ACCSUM_MODULE:\s*{re.escape(installed)}(\s|$)", env, re.M)
 
 
 # ------------------------------------------------------------------------- the two scripts
@@ -391,6 +415,15 @@ def test_redis_gets_its_config_on_stdin(tmp_path: Path, shell: list[str]) -> Non
     config = (tmp_path / "stdin").read_text().splitlines()
     assert f"requirepass {PASSWORD}" in config
     assert 'save ""' in config and "appendonly no" in config
+    assert not any(line.startswith("loadmodule") for line in config)  # no ACCSUM_MODULE
+    env["ACCSUM_MODULE"] = "/usr/local/lib/redis/accsum.so"
+    subprocess.run([*shell, "-ec", _redis_script()], env=env, check=True, timeout=30)
+    config = (tmp_path / "stdin").read_text().splitlines()
+    assert "loadmodule /usr/local/lib/redis/accsum.so" in config
+    env["ACCSUM_MODULE"] = "/x y/accsum.so"
+    proc = subprocess.run([*shell, "-ec", _redis_script()], env=env, capture_output=True,
+                          text=True, timeout=30)  # fmt: skip
+    assert proc.returncode == 2 and "ACCSUM_MODULE" in proc.stderr
 
 
 @posix_only
@@ -484,6 +517,11 @@ def test_compose_redis_and_entrypoint_against_a_real_server(tmp_path: Path) -> N
     )
     _stub(bindir, "accumulator", f'exec {sys.executable} -m accumulator "$@"\n')
     env = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "REDISCLI_AUTH": PASSWORD}
+    from accumulator import _module
+
+    module = _module.build()  # what the image's first stage builds, if this machine can
+    if module is not None:
+        env["ACCSUM_MODULE"] = str(module)
     for key in ("REDIS_URL", "ACCUMULATOR_REDIS_URL"):
         env.pop(key, None)
     server = subprocess.Popen(
@@ -506,6 +544,8 @@ def test_compose_redis_and_entrypoint_against_a_real_server(tmp_path: Path) -> N
         with pytest.raises(redis.AuthenticationError):
             redis.Redis(port=port, socket_timeout=5).ping()
         assert client.config_get("save") == {"save": ""}
+        if module is not None:  # the script loaded it
+            assert client.execute_command("ACC.PING") == b"accsum 1"
         cmdline = Path(f"/proc/{server.pid}/cmdline")
         if cmdline.exists():  # `exec`: the shell became redis-server
             assert PASSWORD.encode() not in cmdline.read_bytes()
