@@ -98,10 +98,10 @@ def _all_abs_at_least(x: np.ndarray, bound: np.generic) -> bool:
     fresh mmap (page faults cost more than the test itself). Under DAZ a subnormal compares
     as zero, so any doubt answers False."""
     flat = x.reshape(-1)
-    for start in range(0, flat.size, 8192):
+    for start in range(0, flat.size, 32768):
         # fmin skips NaN (min would return NaN, and a NaN compares False: it would hide a
         # subnormal of the same block)
-        if np.fmin.reduce(np.abs(flat[start : start + 8192])) < bound:
+        if np.fmin.reduce(np.abs(flat[start : start + 32768])) < bound:
             return False
     return True
 
@@ -138,6 +138,9 @@ def _flush(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
     bits[sub] &= ~mask  # keep only the sign: a signed zero
     return x
 
+
+#: 2**nmant per flush-to-zero dtype (see _float_into).
+_NMANT_POW = {dt: 2.0 ** np.finfo(dt).nmant for dt in _FTZ_DTYPES}
 
 #: Elements per block of the dense float path: the flush checks then run on cache-hot data.
 _BLOCK = 128 * 1024
@@ -186,7 +189,10 @@ def _float_into(
                 np.add(acc, g[part], out=acc)
         if mean:
             np.true_divide(_flush(acc, dtype) if flush else acc, divisor, out=acc)
-            if ftz:
+            # One input with no small value (|x| >= tiny * 2**(nmant+1) or 0) divided by at
+            # most 2**nmant stays normal or zero: nothing to flush. (A sum of several can
+            # cancel to a tiny value, so they are always checked.)
+            if ftz and (flush or len(flat) > 1 or divisor > _NMANT_POW[dtype]):
                 _flush(acc, dtype)
 
 

@@ -86,6 +86,27 @@ def test_reducing_chunk_by_chunk_is_the_whole_reduction_bit_for_bit(dtype, w, n,
     assert out.tobytes() == whole.tobytes()
 
 
+@settings(max_examples=100, deadline=None)
+@given(st.sampled_from([np.float32, np.float64]), st.binary(min_size=8, max_size=800),
+       st.sampled_from([1, 2, 3, 4, 7, 1000, 2**23, 2**23 + 1, 2**24, 2**24 + 1,
+                        2**53 + 1]))  # fmt: skip
+def test_the_mean_of_a_sum_kept_in_redis_is_tfs_element_by_element(dtype, raw, count):
+    """One input (a sum of ``count`` gradients kept in Redis) divided by ``count``, against a
+    scalar reference of TF's CPU arithmetic: subnormal operand and result flushed."""
+    dtype = np.dtype(dtype)
+    x = np.frombuffer(raw[: len(raw) // dtype.itemsize * dtype.itemsize], dtype)
+    out = np.empty_like(x)
+    with np.errstate(all="ignore"):
+        _reduce.reduce_into(out, [x], "MEAN", count=count)
+        tiny, n = np.finfo(dtype).tiny, dtype.type(count)
+
+        def flush(v):
+            return dtype.type(np.copysign(0.0, v)) if v != 0 and abs(v) < tiny else v
+
+        want = np.array([flush(flush(v) / n) for v in x], dtype)
+    assert out.tobytes() == want.tobytes()
+
+
 # -- through Redis ------------------------------------------------------------------------------
 
 
