@@ -16,6 +16,7 @@ import redis
 
 from . import _chunks
 from ._errors import AccumulatorError
+from ._wire import get_into
 
 #: A gradient's payload as a claim names it: the bytes (inline) or its part keys in order.
 Source: TypeAlias = bytes | list[bytes]
@@ -80,12 +81,40 @@ class ClaimReader:
                 )
         return list(values)
 
+    def _fetch_into(
+        self, requests: list[tuple[bytes, int, int, bool]], window: memoryview
+    ) -> list[Any]:
+        """:meth:`_fetch`, received straight into ``window`` (zero-copy, see ``_wire``) when
+        every request is a whole part and the client allows; the values are then views of
+        ``window``, valid until the next call."""
+        if any(not whole for *_, whole in requests):
+            return self._fetch(requests)
+        outs, pos = [], 0
+        for _, start, stop, _ in requests:
+            outs.append(window[pos : pos + stop - start])
+            pos += stop - start
+        keys = [key for key, *_ in requests]
+        found = self._io("take_grad (reading)", lambda: get_into(self._commands, keys, outs))
+        if found is None:
+            return self._fetch(requests)
+        for key, ok in zip(keys, found, strict=True):
+            if not ok:
+                raise AccumulatorError(
+                    f"gradient payload {key[-60:]!r} of a claimed round is missing or has the "
+                    f"wrong length (claim {self._claim_key})"
+                )
+        return outs
+
     def chunks(self, nbytes: int) -> Iterator[tuple[int, int, list[Any]]]:
         """``(start, stop, parts)`` for every chunk of payloads of ``nbytes`` each: ``parts``
-        holds bytes ``[start, stop)`` of every gradient, in apply order (bytes-like)."""
+        holds bytes ``[start, stop)`` of every gradient, in apply order (bytes-like, valid
+        until the next chunk: they may be views of one reused receive buffer)."""
         ranges = _chunks.part_ranges(nbytes)
         remote = sum(1 for s in self.sources if not isinstance(s, bytes))
-        for window in _chunks.windows(len(ranges), max(1, remote)):
+        windows = list(_chunks.windows(len(ranges), max(1, remote)))
+        most = max(len(w) for w in windows) * remote * min(nbytes, _chunks.CHUNK_BYTES)
+        buffer = memoryview(bytearray(most)) if remote else memoryview(b"")
+        for window in windows:
             requests: list[tuple[bytes, int, int, bool]] = []
             for j in window:
                 start, stop = ranges[j]
@@ -96,7 +125,7 @@ class ClaimReader:
                         requests.append((s[0], start, stop, False))  # one key: a range of it
                     else:
                         requests.append((s[j], 0, stop - start, True))
-            fetched = iter(self._fetch(requests)) if requests else iter(())
+            fetched = iter(self._fetch_into(requests, buffer)) if requests else iter(())
             for j in window:
                 start, stop = ranges[j]
                 parts = [
@@ -142,6 +171,17 @@ def read_parts_into(
     if len(keys) != len(ranges):
         raise ValueError(f"{len(keys)} keys for {len(ranges)} parts")
     for window in _chunks.windows(len(ranges), 1):
+        outs = [out[ranges[j][0] : ranges[j][1]] for j in window]
+        names = [keys[j] for j in window]
+
+        def receive(names: list[str] = names, outs: list[memoryview] = outs) -> Any:
+            return get_into(commands, names, outs)
+
+        found = io(what, receive)
+        if found is not None:  # received in place
+            if not all(found):
+                return False
+            continue
 
         def run(window: range = window) -> list[Any]:
             pipe = commands.pipeline(transaction=False)
