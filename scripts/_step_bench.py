@@ -237,7 +237,9 @@ def run_path(url: str, path: str, sizes: dict[str, int], workers: int, runs: int
     return rows
 
 
-def render(rows: list[StepRow]) -> str:
+def render(rows: list[StepRow], tf_ms: dict[str, float] | None = None) -> str:
+    """The table; ``tf_ms``: TF's W=4 step measured in this run (else the recorded one)."""
+    tf_w4 = tf_ms or TF_W4_MS
     by = {(r.path, r.size, r.workers): r for r in rows}
     lines = [
         "synchronous step (W workers apply float32 gradients, the chief takes the mean), medians",
@@ -250,7 +252,7 @@ def render(rows: list[StepRow]) -> str:
     for size in sizes:
         for w in sorted({r.workers for r in rows}):
             m, p = by.get(("module", size, w)), by.get(("plain", size, w))
-            tf = TF_W4_MS.get(size) if w == 4 else None
+            tf = tf_w4.get(size) if w == 4 else None
 
             def ms(row: StepRow | None) -> str:
                 return f"{row.step_ms:.2f} ms" if row else "—"
@@ -263,9 +265,32 @@ def render(rows: list[StepRow]) -> str:
             lines.append(f"| {size} | {w} | {ms(m)} | {ms(p)} | {ratio(m)} | {ratio(p)} | "
                          f"{held} | {ping} |")  # fmt: skip
     lines.append("")
-    lines.append("TF: TensorFlow's parameter server, W=4 medians recorded on this kind of "
-                 "machine (issue 9); held: Redis used_memory over one gradient.")  # fmt: skip
+    if tf_ms:
+        measured = ", ".join(f"{k} {v:.2f} ms" for k, v in tf_ms.items())
+        lines.append(f"TF: TensorFlow's parameter server measured in this run (W=4): {measured}.")
+    else:
+        lines.append("TF: TensorFlow's parameter server, W=4 medians recorded on this kind of "
+                     "machine (issue 9; --tf-python measures it in the same run).")  # fmt: skip
+    lines.append("held: Redis used_memory over one gradient once the applies are in.")
     return "\n".join(lines)
+
+
+def measure_tf(python: str, sizes: dict[str, int], runs: int,
+               verbose: bool) -> dict[str, float]:  # fmt: skip
+    """TF's W=4 step per size, run by ``python`` (which has tensorflow)."""
+    import subprocess
+    from pathlib import Path
+
+    script = Path(__file__).with_name("_tf_step.py")
+    if verbose:
+        print(f"  measuring TF's parameter server with {python} ...", file=sys.stderr)
+    proc = subprocess.run(
+        [python, str(script), "--workers", "4", "--runs", str(runs),
+         "--sizes", *(str(n) for n in sizes.values())],
+        capture_output=True, text=True, check=True, timeout=3600,
+    )  # fmt: skip
+    by_bytes = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {label: float(by_bytes[str(n)]) for label, n in sizes.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -275,6 +300,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--large", action="store_true", help="also 256 MiB and 2 GiB")
     parser.add_argument("--sizes", nargs="+", help="only these sizes (e.g. '16 MiB')")
     parser.add_argument("--json", metavar="PATH", help="write the rows as JSON")
+    parser.add_argument("--tf-python", metavar="PATH",
+                        help="a Python with tensorflow: measure TF's parameter server (W=4) in "
+                        "the same run (scripts/_tf_step.py)")  # fmt: skip
     parser.add_argument("-q", "--quiet", action="store_true")
     args = parser.parse_args(argv)
     sizes = dict(SIZES, **(LARGE if args.large else {}))
@@ -293,7 +321,8 @@ def main(argv: list[str] | None = None) -> int:
                 rows += run_path(server.url, path, sizes, w, args.runs, not args.quiet)
             if path == paths[0][0]:  # the sync helper on the default server
                 sync = run_sync(server.url, sizes, max(args.workers), args.runs, not args.quiet)
-    print(render(rows))
+    tf_ms = measure_tf(args.tf_python, sizes, args.runs, not args.quiet) if args.tf_python else None
+    print(render(rows, tf_ms))
     if sync:
         by = {(r.size, r.workers): r for r in rows if r.path == paths[0][0]}
         print()

@@ -531,6 +531,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "workers, 4 KiB-64 MiB, with and without the Redis module)")  # fmt: skip
     parser.add_argument("--large", action="store_true",
                         help="steps at 256 MiB and 2 GiB too (several GB of memory)")  # fmt: skip
+    parser.add_argument("--tf-python", metavar="PATH",
+                        help="a Python with tensorflow: TF's parameter server step measured in "
+                        "the same run, printed as ratios")  # fmt: skip
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
     args = parser.parse_args(argv)
     if args.repeat is None:
@@ -605,6 +608,7 @@ def main(argv: list[str] | None = None) -> int:
 
         print()
         steps_main(["--runs", "3" if args.quick else "7", *(["--large"] if args.large else []),
+                    *(["--tf-python", args.tf_python] if args.tf_python else []),
                     *(["-q"] if args.quiet else [])])  # fmt: skip
     return 0 if all(r.passed for r in rows) else 1
 
