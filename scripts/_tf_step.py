@@ -4,8 +4,9 @@ Run under a Python that has TensorFlow (``scripts/bench.py --tf-python PATH`` do
 
     PATH/python scripts/_tf_step.py --workers 4 --sizes 4096 1048576 --runs 7
 
-One step: W worker processes each run ``apply_grad`` of one float32 gradient (fed from numpy,
-so its bytes travel worker -> parameter server over gRPC), released at once; the chief runs
+One step: W worker processes each run ``apply_grad`` of one float32 gradient (a variable on
+the worker, so its bytes travel worker -> parameter server over gRPC), released at once; the
+chief runs
 ``take_grad(W)`` of a ``ConditionalAccumulator`` placed on the ``ps`` task and fetches the
 mean; timed from the release to the fetched result. Prints one JSON object:
 ``{"<nbytes>": median ms, ...}``. Nothing of redis-accumulator is imported here.
@@ -64,17 +65,20 @@ def _worker(ports: list[int], task: int, n: int, name: str, conn: Any) -> None:
     server = tf.distribute.Server(_cluster(ports), job_name="worker", task_index=task)
     acc = _graph(tf, n, name)
     with tf.device(f"/job:worker/task:{task}"):
-        grad = tf.compat.v1.placeholder(tf.float32, shape=(n,))
+        # the gradient lives on the worker (as one computed there would): each apply sends
+        # its bytes to the ps task over gRPC, nothing is fed from Python but the step
+        grad = tf.compat.v1.Variable(tf.fill([n], float(task)), trainable=False,
+                                     name=f"grad{task}")  # fmt: skip
         step = tf.compat.v1.placeholder(tf.int64, shape=())
-        apply = acc.apply_grad(grad, local_step=step)
-    value = __import__("numpy").full(n, float(task), "float32")
+        apply = acc.apply_grad(grad.read_value(), local_step=step)
     with tf.compat.v1.Session(server.target) as sess:
+        sess.run(grad.initializer)
         conn.send("ready")
         while True:
             s = conn.recv()
             if s is None:
                 break
-            sess.run(apply, feed_dict={grad: value, step: s})
+            sess.run(apply, feed_dict={step: s})
             conn.send("applied")
 
 
