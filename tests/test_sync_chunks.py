@@ -19,15 +19,19 @@ def _params() -> dict[str, np.ndarray]:
             "small": np.arange(6, dtype=np.float32).reshape(2, 3)}  # fmt: skip
 
 
+def _job(target, name: str):
+    """A published job: the client, its chief and its keys."""
+    ps = ParameterServer(name, replicas_to_aggregate=1, client=target.client())
+    ps.initialize(_params())
+    return target.redis(), ps, SyncKeys("", name)
+
+
 def _values(r, keys: SyncKeys) -> dict[bytes, int]:
     return {k: r.strlen(k) for k in r.scan_iter(match=keys.versions_pattern)}
 
 
 def test_large_parameters_travel_in_parts_and_old_versions_expire(target):
-    r = target.redis()
-    ps = ParameterServer("big", replicas_to_aggregate=1, client=target.client())
-    ps.initialize(_params())
-    keys = SyncKeys("", "big")
+    r, ps, keys = _job(target, "big")
     first = _values(r, keys)
     assert len(first) == 4 + 1 and max(first.values()) == CHUNK  # no value over a chunk
     assert all(r.pttl(k) == -1 for k in first)
@@ -52,11 +56,8 @@ def test_large_parameters_travel_in_parts_and_old_versions_expire(target):
 
 
 def test_a_reader_whose_version_vanished_reads_the_newer_one(target):
-    r = target.redis()
-    ps = ParameterServer("v", replicas_to_aggregate=1, client=target.client())
-    ps.initialize(_params())
+    r, ps, keys = _job(target, "v")
     worker = Worker("v", client=target.client())
-    keys = SyncKeys("", "v")
     original = worker._read_params
     calls = []
 
@@ -82,10 +83,8 @@ def test_a_reader_whose_version_vanished_reads_the_newer_one(target):
 
 
 def test_parameters_deleted_from_redis_are_a_clear_error(target):
-    r = target.redis()
-    ps = ParameterServer("gone", replicas_to_aggregate=1, client=target.client())
-    ps.initialize(_params())
-    for k in r.scan_iter(match=SyncKeys("", "gone").versions_pattern):
+    r, ps, keys = _job(target, "gone")
+    for k in r.scan_iter(match=keys.versions_pattern):
         r.delete(k)
     worker = Worker("gone", client=target.client())
     with pytest.raises(RuntimeError, match="missing from Redis"):
@@ -97,11 +96,8 @@ def test_parameters_deleted_from_redis_are_a_clear_error(target):
 def test_a_new_run_and_a_job_delete_leave_no_version_behind(target):
     from accumulator import _admin
 
-    r = target.redis()
-    ps = ParameterServer("n", replicas_to_aggregate=1, client=target.client())
-    ps.initialize(_params())
+    r, ps, keys = _job(target, "n")
     ps.initialize(_params(), resume=False)  # a new run: the old run's versions go
-    keys = SyncKeys("", "n")
     assert len(_values(r, keys)) == 5
     ps.finish()
     _admin.delete_job(r, "n")
