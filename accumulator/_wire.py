@@ -96,7 +96,10 @@ def get_into(
     pool = getattr(client, "connection_pool", None)
     if pool is None or not keys:
         return None
-    conn = pool.get_connection()
+    try:
+        conn = pool.get_connection()
+    except TypeError:  # redis-py before 5.3 wants the command name
+        conn = pool.get_connection("GET")
     clean = False
     try:
         if not isinstance(conn, redis.connection.AbstractConnection):
