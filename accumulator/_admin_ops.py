@@ -54,7 +54,7 @@ def delete(
     deleted; raises :class:`NotFoundError` when there was none."""
     keys = Keys(container, shared_name, prefix)
     fixed = [keys.state, keys.grads, keys.takers, keys.taker_info, keys.wake, keys.queue_wake,
-             keys.quarantine, keys.claims]  # fmt: skip
+             keys.quarantine, keys.claims, keys.finished]  # fmt: skip
     # The state first, atomically with reading the round: from here on every script answers
     # NOTFOUND, so nothing new is added while the rest is found and removed.
     pipe = r.pipeline(transaction=True)

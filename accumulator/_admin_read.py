@@ -225,7 +225,7 @@ def describe(
         _key_bytes(k)
         for k in (
             keys.state, keys.grads, keys.takers, keys.taker_info, keys.wake, keys.queue_wake,
-            keys.quarantine, keys.claims,
+            keys.quarantine, keys.claims, keys.finished,
         )
     }  # fmt: skip
     claim_head = _key_bytes(keys.claim(""))

@@ -591,7 +591,7 @@ class AccumulatorBase:
         the lease had run out and another taker took the round over (the caller must not
         return it then: it would be counted twice)."""
         k = self._keys
-        keys: list[str | bytes] = [k.state, claim_key, k.claims, *blob_keys]
+        keys: list[str | bytes] = [k.state, claim_key, k.claims, k.finished, *blob_keys]
         ours = self._io("take_grad (finishing)", lambda: _scripts.call(
             self._conns.commands, "finish", keys, [taker]))  # fmt: skip
         if not int(ours):

@@ -35,10 +35,13 @@ key                    type    contents
 ``P{tag}:c:<taker>``   list    a claimed round: a header, then the entries of ``:g``; kept
                                until the taker has read it (a retried take returns it again;
                                a take that fails gives it back)
-``P{tag}:cl``          hash    claim registry: taker id -> lease expiry ms of its claim, or
-                               ``done <ms>`` once its take finished (kept 2 min for a retried
-                               finish); a lease that ran out marks a taker that is gone: the
-                               next take hands its round over
+``P{tag}:cl``          hash    claim registry: taker id -> lease expiry ms of its claim, for
+                               the claims in flight; a lease that ran out marks a taker that
+                               is gone: the next take hands its round over (earlier clients
+                               also kept ``done <ms>`` marks here; takes prune them)
+``P{tag}:cd``          zset    finished takes: taker id scored by finish time ms, kept 2 min
+                               (the key expires 2 min after the last finish) to answer a
+                               retried finish
 ``P{tag}:x``           list    quarantine: entries a take refused to claim (a foreign key name,
                                a missing or resized payload), each ``"<reason> <entry>"``
 =====================  ======  ==============================================================
@@ -150,6 +153,10 @@ class Keys:
     @cached_property
     def claims(self) -> str:
         return self.base + ":cl"
+
+    @cached_property
+    def finished(self) -> str:
+        return self.base + ":cd"
 
     def blob(self, client_id: str, seq: int) -> str:
         return f"{self.base}:b:{client_id}:{seq}"

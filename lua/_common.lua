@@ -120,6 +120,9 @@ end
 -- Large payloads are stored in parts of CHUNK bytes (the last one shorter), never one value:
 -- no command moves more than a chunk. accumulator/_chunks.py has the same number.
 local CHUNK = 1048576
+
+-- How long a finished take is remembered (finish.lua), to answer a retried finish.
+local FINISH_MEMORY_MS = 120000
 local MAX_PARTS = 1048576
 
 -- The payload keys a round entry names, or nil and why not. Entries: 'i' .. payload (inline,

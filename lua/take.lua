@@ -2,7 +2,8 @@
 -- head and the round holds num_required valid gradients, claim the round atomically.
 -- KEYS[1] state  KEYS[2] grads list  KEYS[3] takers zset  KEYS[4] taker info hash
 -- KEYS[5] claim list of this taker  KEYS[6] head wake list  KEYS[7] queue wake channel (pub/sub)
--- KEYS[8] quarantine list  KEYS[9] claim registry hash (taker id -> claim lease expiry ms)
+-- KEYS[8] quarantine list  KEYS[9] claim registry hash (taker id -> claim lease expiry ms of
+-- each claim in flight)
 -- ARGV[1] schema  ARGV[2] taker id  ARGV[3] num_required  ARGV[4] lease ms
 -- ARGV[5] 'd' dense | 's' sparse  ARGV[6] bytes per element of the accumulator dtype
 -- ARGV[7] claim lease ms  ARGV[8] claim lease: extra ms per MiB of payload
@@ -97,18 +98,17 @@ local function leave_fifo()
   end
 end
 
--- At the head (or alone): first a round whose taker is gone (its claim lease ran out).
+-- At the head (or alone): first a round whose taker is gone (its claim lease ran out). The
+-- registry holds the claims in flight only (finish.lua moves a finished one out).
 if not queued and redis.call('EXISTS', KEYS[9]) == 1 then
   local registry = redis.call('HGETALL', KEYS[9])
   for i = 1, #registry, 2 do
     local other, mark = registry[i], registry[i + 1]
-    local expiry, done = tonumber(mark), tonumber(string.match(mark, '^done (%d+)$') or '')
+    local expiry = tonumber(mark)
     local dead = base .. ':c:' .. other
-    if done then
-      -- a finished take's mark answers a retried finish; kept for two minutes
-      if done + 120000 <= now then redis.call('HDEL', KEYS[9], other) end
-    elseif not expiry or not is_own(base, dead, 'c') or redis.call('EXISTS', dead) == 0 then
-      redis.call('HDEL', KEYS[9], other)  -- given back meanwhile, or not ours to follow
+    if not expiry or not is_own(base, dead, 'c') or redis.call('EXISTS', dead) == 0 then
+      -- given back meanwhile, not ours to follow, or a 'done' mark of an older client
+      redis.call('HDEL', KEYS[9], other)
     elseif expiry <= now then
       redis.call('HDEL', KEYS[9], other)
       redis.call('RENAME', dead, claim)

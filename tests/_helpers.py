@@ -108,7 +108,7 @@ def redis_snapshot(r: Any, prefix: str = "acc:") -> dict[bytes, Any]:
     Expiries are not compared (PTTL moves with the clock).
 
     Left out: what a *completed* take leaves for the next take to free (its claim ``:c:``,
-    kept for a retried take, its ``done`` entry in the claim registry ``:cl``, and payload
+    kept for a retried take, its entry in the finished takes ``:cd``, and payload
     keys ``:b:`` no longer in a round): any take script, also one that times out, may free
     them. Payload keys of the pending round (``:g``) and claims not yet read stay.
     """
@@ -150,6 +150,8 @@ def redis_snapshot(r: Any, prefix: str = "acc:") -> dict[bytes, Any]:
     kept: dict[bytes, Any] = {}
     for key, (kind, value) in out.items():
         if b"}:c:" in key or (b"}:b:" in key and key not in in_rounds):
+            continue
+        if key.endswith(b":cd"):  # finished takes, remembered for a retried finish
             continue
         if kind == "hash" and key.endswith(b":cl"):
             value = {f: v for f, v in value.items() if not v.startswith(b"done")}

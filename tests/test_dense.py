@@ -363,8 +363,48 @@ def test_an_inline_round_is_freed_when_its_take_returns(target):
     acc.apply_grad(np.ones(SMALL))
     acc.take_grad(1)
     assert not [k for k in keys_of(target, acc) if b":c:" in k]
-    (mark,) = target.redis().hvals(acc._keys.claims)
-    assert mark.startswith(b"done ")
+    r = target.redis()
+    assert not r.exists(acc._keys.claims)  # the registry holds claims in flight only
+    assert r.zcard(acc._keys.finished) == 1  # remembered for a retried finish ...
+    assert 0 < r.pttl(acc._keys.finished) <= 120_000  # ... for two minutes
+
+
+def test_the_claim_registry_stays_small_however_many_takes_finish(target):
+    """Every take scans the registry for leases that ran out: finished takes must not pile
+    up there (they did once: two minutes of takes made each take slower)."""
+    acc = make(target)
+    for step in range(30):
+        acc.apply_grad(np.ones(SMALL), local_step=step)
+        acc.take_grad(1)
+    r = target.redis()
+    assert not r.exists(acc._keys.claims)
+    assert r.zcard(acc._keys.finished) == 30
+
+
+def test_finish_forgets_takes_older_than_two_minutes(target):
+    from accumulator import _scripts
+
+    acc = make(target)
+    r = target.redis()
+    now_s, now_us = r.time()
+    now_ms = now_s * 1000 + now_us // 1000
+    r.zadd(acc._keys.finished, {"1-a01d": now_ms - 121_000, "2-b0b": now_ms - 60_000})
+    acc.apply_grad(np.ones(SMALL))
+    acc.take_grad(1)
+    left = {m.decode() for m in r.zrange(acc._keys.finished, 0, -1)}
+    assert "1-a01d" not in left and "2-b0b" in left and len(left) == 2
+    k = acc._keys  # the forgotten take's retried finish no longer owns a round
+    finish = [k.state, k.claim("1-a01d"), k.claims, k.finished], ["1-a01d"]
+    assert _scripts.call(acc.redis, "finish", *finish) == 0
+
+
+def test_a_take_prunes_done_marks_older_clients_left_in_the_registry(target):
+    acc = make(target)
+    r = target.redis()
+    r.hset(acc._keys.claims, mapping={"1-abc": "done 5", "2-def": "done 6"})
+    acc.apply_grad(np.ones(SMALL))
+    acc.take_grad(1)
+    assert not r.exists(acc._keys.claims)
 
 
 def _crashed_take(acc, lease_ms: int) -> list:
@@ -484,7 +524,7 @@ def test_a_retried_finish_still_owns_its_round(target):
     acc.apply_grad(np.ones(SMALL))
     _crashed_take(acc, lease_ms=60_000)
     k = acc._keys
-    finish = [k.state, k.claim("9-dead"), k.claims], ["9-dead"]
+    finish = [k.state, k.claim("9-dead"), k.claims, k.finished], ["9-dead"]
     assert _scripts.call(acc.redis, "finish", *finish) == 1
     acc.apply_grad(np.ones(SMALL), local_step=1)
     other.take_grad(1, timeout=5)  # runs the registry loop

@@ -462,8 +462,8 @@ def _exact_problems(acc: dict[str, Any]) -> list[str]:
 def _leftover_keys(r: redis.Redis, name: str) -> tuple[dict[str, str], list[str]]:
     """Every key of accumulator ``name`` left in Redis, described, and what is wrong with
     them: allowed are the state hash ``:s``, a claim registry ``:cl`` holding only ``done``
-    marks (the last take's, freed by the next take) and retry records ``:d:<client>`` with
-    an expiry (DEDUP_TTL: 10 minutes)."""
+    marks (written by earlier clients), the finished takes ``:cd`` (expiring) and retry
+    records ``:d:<client>`` with an expiry (DEDUP_TTL: 10 minutes)."""
     keys = Keys("", name)
     listing: dict[str, str] = {}
     problems: list[str] = []
@@ -481,6 +481,9 @@ def _leftover_keys(r: redis.Redis, name: str) -> tuple[dict[str, str], list[str]
             desc += f", {len(marks)} entries {sorted({v.decode() for v in marks.values()})}"
             if any(not v.startswith(b"done") for v in marks.values()):
                 problems.append(f"{key}: claim registry holds live leases: {marks}")
+        elif kind == "cd":
+            if ttl < 0 or ktype != "zset":
+                problems.append(f"{key}: finished takes ({desc}) kept without expiry")
         elif kind == "d":
             if ttl < 0:
                 problems.append(f"{key}: retry record without expiry")
