@@ -66,7 +66,7 @@ from functools import cached_property
 #: 2: large payloads in parts (``p`` entries), which schema 1 clients cannot read.
 SCHEMA_VERSION = 2
 DEFAULT_PREFIX = "acc"
-MAX_PARTS = 1 << 20  # parts of one payload (1 TiB at 1 MiB): the scripts' bound too
+MAX_PARTS = 1 << 20  # parts of one payload (~1 TiB): the scripts' bound too
 
 _ESCAPES_NAME = {"%": "%25", "{": "%7B", "}": "%7D"}
 _ESCAPES_CONTAINER = {**_ESCAPES_NAME, ":": "%3A"}

@@ -119,7 +119,7 @@ end
 
 -- Large payloads are stored in parts of CHUNK bytes (the last one shorter), never one value:
 -- no command moves more than a chunk. accumulator/_chunks.py has the same number.
-local CHUNK = 1048576
+local CHUNK = 1044480  -- 1 MiB - 4 KiB: why, see _chunks.py
 
 -- How long a finished take is remembered (finish.lua), to answer a retried finish.
 local FINISH_MEMORY_MS = 120000

@@ -9,12 +9,12 @@ W=4, at 4 KiB, 1 MiB, 16 MiB and 64 MiB (``--large``: 256 MiB and 2 GiB too).
 
 Besides the step's median it reports, per size and path: Redis ``used_memory`` once the W
 applies of a round are in (over the empty server, as a multiple of one gradient), the peak
-``used_memory`` sampled during the steps, and a PING probe (its own connection, every 5 ms)
-during the steps: p99 and max, i.e. how long Redis stalls other clients.
+``used_memory`` sampled during the steps, and a PING probe (its own process and connection,
+every 5 ms) during the steps: p99 and max, i.e. how long Redis stalls other clients.
 
-TensorFlow's parameter server was measured the same way on this kind of machine (W=4 step
-medians, in ``shared/notes/redis-facts.md`` and issue 9): those figures are printed as the
-reference; ``--tf-python`` is not implemented yet.
+``--tf-python PATH`` measures TensorFlow's parameter server the same way in the same run
+(``scripts/_tf_step.py`` under that Python) and prints our steps as ratios to it; the
+figures recorded in issue 9 on this kind of machine are printed beside them.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import json
 import multiprocessing as mp
 import statistics
 import sys
-import threading
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -124,36 +123,42 @@ def run_sync(url: str, sizes: dict[str, int], workers: int, runs: int,
     return out
 
 
+def _probe(url: str, stop: Any, conn: Any) -> None:
+    r = redis.Redis.from_url(url, socket_timeout=30)
+    pings: list[float] = []
+    peak, n = 0, 0
+    while not stop.wait(0.005):
+        t = time.perf_counter()
+        r.ping()
+        pings.append(time.perf_counter() - t)
+        n += 1
+        if n % 4 == 0:
+            peak = max(peak, int(r.info("memory")["used_memory"]))
+    conn.send((pings, peak))
+
+
 class _Probe:
-    """PINGs Redis every 5 ms on its own connection and samples ``used_memory``."""
+    """PINGs Redis every 5 ms on its own connection, from its own process (a thread of the
+    chief would wait for the chief's GIL: its latencies were the chief's, not Redis's), and
+    samples ``used_memory``."""
 
     def __init__(self, url: str) -> None:
-        self.r = redis.Redis.from_url(url, socket_timeout=30)
+        self.url = url
         self.pings: list[float] = []
         self.peak = 0
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        ctx = mp.get_context("spawn")
+        self._stop = ctx.Event()
+        self._conn, theirs = ctx.Pipe()
+        self._proc = ctx.Process(target=_probe, args=(url, self._stop, theirs), daemon=True)
 
     def __enter__(self) -> _Probe:
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
+        self._proc.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-
-    def _run(self) -> None:
-        n = 0
-        while not self._stop.wait(0.005):
-            t = time.perf_counter()
-            self.r.ping()
-            self.pings.append(time.perf_counter() - t)
-            n += 1
-            if n % 4 == 0:
-                self.peak = max(self.peak, int(self.r.info("memory")["used_memory"]))
+        self.pings, self.peak = self._conn.recv()
+        self._proc.join(30)
 
 
 @dataclass

@@ -40,8 +40,26 @@ def payload_sizes(r, acc) -> dict[bytes, int]:
 
 def test_the_scripts_and_the_client_agree_on_the_chunk():
     text = LUA.read_text()
-    assert int(re.search(r"^local CHUNK = (\d+)$", text, re.M).group(1)) == CHUNK
+    assert int(re.search(r"^local CHUNK = (\d+)(?:  --.*)?$", text, re.M).group(1)) == CHUNK
     assert int(re.search(r"^local MAX_PARTS = (\d+)$", text, re.M).group(1)) == MAX_PARTS
+
+
+def test_a_chunk_holds_whole_elements_of_every_dtype():
+    assert CHUNK % 16 == 0  # complex128, the widest item
+
+
+def test_a_part_takes_no_more_server_memory_than_its_size_class(real):
+    """A 1 MiB part took 1.25 MiB (jemalloc rounds a 1 MiB + header allocation up): parts
+    are sized to fit in 1 MiB with Redis's string header."""
+    r = real.redis()
+    r.set("acc:{probe}:part", b"\x01" * CHUNK)
+    try:
+        usage = r.memory_usage("acc:{probe}:part")
+    finally:
+        r.delete("acc:{probe}:part")
+    if usage is None:
+        pytest.skip("MEMORY USAGE not available")
+    assert usage <= (1 << 20) + 1024, usage
 
 
 @given(st.integers(1, 10 * CHUNK))
