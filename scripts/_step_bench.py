@@ -125,6 +125,8 @@ def run_sync(url: str, sizes: dict[str, int], workers: int, runs: int,
 
 def _probe(url: str, stop: Any, conn: Any) -> None:
     r = redis.Redis.from_url(url, socket_timeout=30)
+    r.ping()
+    conn.send("ready")
     pings: list[float] = []
     peak, n = 0, 0
     while not stop.wait(0.005):
@@ -153,6 +155,7 @@ class _Probe:
 
     def __enter__(self) -> _Probe:
         self._proc.start()
+        assert self._conn.recv() == "ready"  # short steps would end before it started
         return self
 
     def __exit__(self, *exc: object) -> None:
