@@ -3,13 +3,15 @@ and a separate pool for blocking waits."""
 
 from __future__ import annotations
 
+import inspect
 import os
+import threading
 from dataclasses import dataclass
 from typing import Any
 
 import redis
 from redis.backoff import ExponentialWithJitterBackoff
-from redis.connection import PythonRespSerializer
+from redis.connection import AbstractConnection, PythonRespSerializer
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
@@ -81,20 +83,59 @@ _PACKER = _Packer()
 
 @dataclass
 class Connections:
-    """The two clients one accumulator object uses. No URL is kept (it may hold a password);
-    the pools' own connection settings are redis-py's business."""
+    """The two clients one accumulator object uses: shared with every accumulator opened from
+    the same client object or URL string (see :func:`connect`), each holding a share. No URL is
+    kept in them (it may hold a password); the pools' own settings are redis-py's business."""
 
     commands: redis.Redis  # scripts, payload writes and reads
     blocking: redis.Redis  # BLPOP waits only; its socket timeout outlasts one wait slice
+    _key: object = None  # its entry in the registry of shared clients (None: not shared)
+    _released: bool = False
 
     def close(self) -> None:
+        """Release this share (once); the pools close with the last share."""
+        with _LOCK:
+            if self._released:
+                return
+            self._released = True
+            entry = _SHARED.get(self._key) if self._key is not None else None
+            if entry is not None and entry.commands is self.commands:
+                entry.users -= 1
+                if entry.users > 0:
+                    return
+                del _SHARED[self._key]
         self.blocking.close()
         self.commands.close()
 
 
-def _derive(pool: redis.ConnectionPool, **overrides: Any) -> redis.Redis:
-    """A client like the one given (same server, credentials, class of connection), with our
-    packer and timeouts."""
+@dataclass
+class _Entry:
+    commands: redis.Redis
+    blocking: redis.Redis
+    users: int
+    origin: object  # the user's pool (kept alive: its id is part of the key) or the URL
+
+
+#: Shared clients: ("pool", id of a user's pool) or ("url", url) -> entry. An accumulator is
+#: one user; closing it releases its share.
+_SHARED: dict[object, _Entry] = {}
+_LOCK = threading.Lock()
+
+
+def _pool_kwargs(pool: Any) -> dict[str, Any]:
+    """The size limits of a pool, for a pool of ours derived from it."""
+    out: dict[str, Any] = {}
+    limit = getattr(pool, "max_connections", None)
+    if isinstance(limit, int) and limit < 2**31:
+        out["max_connections"] = limit
+    if isinstance(pool, redis.BlockingConnectionPool):
+        out["timeout"] = pool.timeout
+    return out
+
+
+def _derive(pool: redis.ConnectionPool, *, limit: bool, **overrides: Any) -> redis.Redis:
+    """A client like the one given (same server, credentials, class of connection and, with
+    ``limit``, the same pool class and size), with our packer and timeouts."""
     kwargs = dict(pool.connection_kwargs)
     kwargs.update(overrides)
     if isinstance(pool, SentinelConnectionPool):
@@ -105,40 +146,141 @@ def _derive(pool: redis.ConnectionPool, **overrides: Any) -> redis.Redis:
             check_connection=pool.check_connection, connection_class=pool.connection_class,
             **kwargs,
         )  # fmt: skip
+    elif limit:
+        new_pool = pool.__class__(
+            connection_class=pool.connection_class, **_pool_kwargs(pool), **kwargs
+        )
     else:
-        new_pool = pool.__class__(connection_class=pool.connection_class, **kwargs)
+        # blocking waits hold a connection each for a wait slice: never capped by the
+        # commands' limit (a full pool would fail a take instead of letting it wait)
+        new_pool = redis.ConnectionPool(connection_class=pool.connection_class, **kwargs)
     return redis.Redis(connection_pool=new_pool)
 
 
+def _check_client(client: object) -> None:
+    module = type(client).__module__
+    if hasattr(client, "connection_pool") and (
+        ".asyncio" in module or callable(getattr(client, "__aenter__", None))
+    ):
+        raise TypeError(
+            f"{type(client).__module__}.{type(client).__name__} is an asyncio client; "
+            "redis-accumulator's classes are synchronous: pass a redis.Redis or valkey.Valkey "
+            "client or a URL (run them in a thread from async code, e.g. asyncio.to_thread)"
+        )
+    if "cluster" in module.lower() or hasattr(client, "nodes_manager"):
+        raise TypeError(
+            f"{type(client).__name__}: Redis Cluster clients are not supported yet; pass a "
+            "redis.Redis (plain or Sentinel-managed) client or a URL"
+        )
+    raise TypeError(
+        f"client must be a redis.Redis (plain or Sentinel-managed), a valkey.Valkey, a URL "
+        f"or None, not {type(client).__name__}"
+    )
+
+
+_VALKEY_CONNECTIONS: dict[str, Any] = {
+    "Connection": redis.Connection,
+    "SSLConnection": redis.SSLConnection,
+    "UnixDomainSocketConnection": redis.UnixDomainSocketConnection,
+}
+
+
+def _from_valkey(client: Any) -> redis.Redis:
+    """A redis-py client to the server a ``valkey.Valkey`` client talks to, with its settings
+    (valkey-py is a fork of redis-py: same connection arguments, other classes)."""
+    pool = client.connection_pool
+    cls = _VALKEY_CONNECTIONS.get(pool.connection_class.__name__)
+    if cls is None:
+        raise TypeError(
+            f"valkey client with {pool.connection_class.__name__} connections is not "
+            "supported; pass a URL or a redis.Redis client"
+        )
+    accepted: set[str] = set()
+    for kind in (cls, redis.Connection, AbstractConnection):  # each passes the rest on
+        accepted |= set(inspect.signature(kind).parameters)
+    kwargs = {k: v for k, v in pool.connection_kwargs.items()
+              if k in accepted and k not in ("retry", "connection_pool", "credential_provider",
+                                             "redis_connect_func", "self", "kwargs")}  # fmt: skip
+    kwargs.update(retry=_retry(), retry_on_error=[RedisConnectionError, RedisTimeoutError])
+    blocking = type(pool).__name__ == "BlockingConnectionPool"
+    pool_class = redis.BlockingConnectionPool if blocking else redis.ConnectionPool
+    limits: dict[str, Any] = {}
+    limit = getattr(pool, "max_connections", None)
+    if isinstance(limit, int) and limit < 2**31:
+        limits["max_connections"] = limit
+    if blocking:
+        limits["timeout"] = pool.timeout
+    return redis.Redis(connection_pool=pool_class(connection_class=cls, **limits, **kwargs))
+
+
+def _is_valkey(client: object) -> bool:
+    kind = type(client)
+    return kind.__module__.split(".")[0] == "valkey" and kind.__name__ in ("Valkey", "StrictValkey")
+
+
+def _url_client(url: str) -> redis.Redis:
+    tcp = not url.startswith("unix:")
+    return redis.Redis.from_url(
+        url,
+        socket_timeout=SOCKET_TIMEOUT,
+        socket_connect_timeout=CONNECT_TIMEOUT,
+        # keepalive is a TCP option (a unix socket connection refuses the argument)
+        **({"socket_keepalive": True} if tcp else {}),
+        retry=_retry(),
+        retry_on_error=[RedisConnectionError, RedisTimeoutError],
+        health_check_interval=30,
+    )
+
+
 def connect(client: redis.Redis | str | None) -> Connections:
-    """Clients for a URL, for an existing ``redis.Redis`` (its settings are kept), or for the
-    default URL. Replies are always bytes; the command packer is ours."""
+    """The clients for a URL, for an existing ``redis.Redis`` or ``valkey.Valkey`` (its
+    settings are kept: server, credentials, TLS, pool class and ``max_connections``), or for
+    the default URL. Replies are always bytes; the command packer is ours.
+
+    Every accumulator opened from one client object (or one URL string) shares one pool for
+    commands, capped like the client's own, and one for blocking waits (a taker waiting holds
+    one connection of it); each holds a share until it is closed.
+    """
     if client is None:
         client = default_url()
     if isinstance(client, str):
-        base = redis.Redis.from_url(
-            client,
-            socket_timeout=SOCKET_TIMEOUT,
-            socket_connect_timeout=CONNECT_TIMEOUT,
-            socket_keepalive=True,
-            retry=_retry(),
-            retry_on_error=[RedisConnectionError, RedisTimeoutError],
-            health_check_interval=30,
-        )
-        owned = True
+        key: object = ("url", client)
+    elif isinstance(client, redis.Redis) or _is_valkey(client):
+        key = ("pool", id(client.connection_pool))
+    else:
+        _check_client(client)
+        raise AssertionError  # _check_client raised
+    origin: object = client if isinstance(client, str) else client.connection_pool
+    with _LOCK:
+        entry = _SHARED.get(key)
+        if entry is not None and entry.origin is origin:
+            entry.users += 1
+            return Connections(entry.commands, entry.blocking, key)
+    commands, blocking = _new(client)  # connects nothing yet: pools connect on first use
+    with _LOCK:
+        entry = _SHARED.get(key)
+        if entry is None or entry.origin is not origin:
+            _SHARED[key] = _Entry(commands, blocking, 1, origin)
+            return Connections(commands, blocking, key)
+        entry.users += 1  # another thread was first
+    blocking.close()
+    commands.close()
+    return Connections(entry.commands, entry.blocking, key)
+
+
+def _new(client: Any) -> tuple[redis.Redis, redis.Redis]:
+    if isinstance(client, str):
+        base, owned = _url_client(client), True
     elif isinstance(client, redis.Redis):
         base, owned = client, False
     else:
-        raise TypeError(
-            f"client must be a redis.Redis (plain or Sentinel-managed), a URL or None, not "
-            f"{type(client).__name__} (RedisCluster clients are not supported yet)"
-        )
+        base, owned = _from_valkey(client), True
     pool = base.connection_pool
     timeout = pool.connection_kwargs.get("socket_timeout") or SOCKET_TIMEOUT
-    commands = _derive(pool, command_packer=_PACKER, decode_responses=False,
+    commands = _derive(pool, limit=True, command_packer=_PACKER, decode_responses=False,
                        socket_timeout=timeout)  # fmt: skip
-    blocking = _derive(pool, command_packer=_PACKER, decode_responses=False,
+    blocking = _derive(pool, limit=False, command_packer=_PACKER, decode_responses=False,
                        socket_timeout=WAIT_SLICE + max(5.0, timeout))  # fmt: skip
     if owned:
         base.close()
-    return Connections(commands, blocking)
+    return commands, blocking

@@ -20,6 +20,7 @@ from typing import Any, TypeVar, cast
 
 import numpy as np
 import redis
+from redis.client import PubSub
 from redis.exceptions import NoScriptError, ResponseError
 
 from . import _chunks, _module, _retry, _scripts
@@ -240,7 +241,15 @@ class AccumulatorBase:
         self._conns = connect(client)
         self._local = _ClientState()
         self._closed = False
-        self._open()
+        # connections of waits in progress: close() from another thread breaks them (the
+        # pools are shared with other accumulators and stay open)
+        self._waits: set[Any] = set()
+        self._waits_lock = threading.Lock()
+        try:
+            self._open()
+        except BaseException:
+            self._conns.close()  # its share of the pools
+            raise
         self._finalizer = (
             weakref.finalize(self, _delete_keys, self._conns, self._keys)
             if self._private
@@ -367,8 +376,18 @@ class AccumulatorBase:
         return bool(self._sum_dtype)
 
     def close(self) -> None:
-        """Release connections; a private accumulator's keys are deleted."""
+        """Release connections; a private accumulator's keys are deleted. A take waiting in
+        another thread raises :class:`CancelledError`."""
         self._closed = True
+        with self._waits_lock:
+            waits = list(self._waits)
+        for wait in waits:
+            conn = wait.connection if isinstance(wait, PubSub) else wait
+            try:
+                if conn is not None:
+                    conn.disconnect()
+            except Exception:  # noqa: BLE001 - fakeredis's socket refuses a second thread
+                logger.debug("could not cut a wait of %s", self._keys.base, exc_info=True)
         self._finalizer()
 
     def __enter__(self: _A) -> _A:
@@ -555,18 +574,20 @@ class AccumulatorBase:
                     # At the head: one persistent token on a list, pushed by the apply that
                     # makes the round big enough (only the head consumes it).
                     if queue is not None:
-                        queue.close()
+                        self._drop_queue(queue)
                         queue = None
-                    self._wait(blocking.blpop, [k.wake], timeout=max(wait, 0.001))
+                    self._wait(self._blpop, blocking, k.wake, max(wait, 0.001))
                 elif queue is None:
                     # Queued: a head change is broadcast. Subscribe, then re-check at once,
                     # so that a change between the check and the subscription is not missed.
                     queue = blocking.pubsub(ignore_subscribe_messages=True)
+                    with self._waits_lock:
+                        self._waits.add(queue)
                     if not self._wait(queue.subscribe, k.queue_wake):
-                        queue.close()
+                        self._drop_queue(queue)
                         queue = None
                 elif not self._wait(queue.get_message, timeout=max(wait, 0.001)):
-                    queue.close()
+                    self._drop_queue(queue)
                     queue = None
             claim, blob_keys = self._read_claim(entries, claim_key)
             try:
@@ -583,8 +604,39 @@ class AccumulatorBase:
             raise
         finally:
             if queue is not None:
-                queue.close()
+                self._drop_queue(queue)
         return result
+
+    def _drop_queue(self, queue: PubSub) -> None:
+        with self._waits_lock:
+            self._waits.discard(queue)
+        queue.close()
+
+    def _blpop(self, blocking: Any, key: str, timeout: float) -> None:
+        """BLPOP on a connection this accumulator holds for the wait, so that close() from
+        another thread can break it."""
+        pool = blocking.connection_pool
+        try:
+            conn = pool.get_connection()
+        except TypeError:  # redis-py before 5.3 wants the command name
+            conn = pool.get_connection("BLPOP")
+        if type(conn).__module__.startswith("fakeredis"):
+            # in-process: its connection cannot be cut from another thread; short slices
+            # let close() end the wait instead
+            timeout = min(timeout, 0.1)
+        with self._waits_lock:
+            self._waits.add(conn)
+        done = False
+        try:
+            conn.send_command("BLPOP", key, timeout)
+            conn.read_response()
+            done = True
+        finally:
+            with self._waits_lock:
+                self._waits.discard(conn)
+            if not done:  # a reply may still be on its way: never reuse the connection
+                conn.disconnect()
+            pool.release(conn)
 
     def _finish(self, taker: str, claim_key: str, blob_keys: list[bytes]) -> None:
         """The round is read and reduced: release its lease and free its keys. Raises when
@@ -635,9 +687,11 @@ class AccumulatorBase:
         try:
             block(*args, **kwargs)
             return True
-        except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
-            if self._closed:
+        except Exception as exc:
+            if self._closed:  # its connection was cut under it (whatever redis-py raises then)
                 raise CancelledError("the accumulator was closed while waiting") from None
+            if not isinstance(exc, (redis.ConnectionError, redis.TimeoutError, OSError)):
+                raise
             logger.debug("wait on %s interrupted: %s", self._keys.base, exc)
             time.sleep(0.05)  # a refused reconnect fails at once: do not spin
             return False

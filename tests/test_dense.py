@@ -157,7 +157,7 @@ def test_interrupted_take_leaves_no_trace(target):
     acc = make(target)
     acc.wait_slice = 0.05
     calls = {"n": 0}
-    original = acc._conns.blocking.blpop
+    original = acc._blpop
 
     def interrupted(*args, **kw):
         calls["n"] += 1
@@ -165,7 +165,7 @@ def test_interrupted_take_leaves_no_trace(target):
             raise KeyboardInterrupt
         return original(*args, **kw)
 
-    acc._conns.blocking.blpop = interrupted
+    acc._blpop = interrupted  # type: ignore[method-assign]
     with pytest.raises(KeyboardInterrupt):
         acc.take_grad(1)
     r = target.redis()

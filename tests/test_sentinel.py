@@ -12,6 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import redis
+import redis.asyncio
+import redis.cluster
 from redis.sentinel import Sentinel
 
 import accumulator
@@ -70,6 +72,12 @@ def test_sentinel_managed_client(sentinel_master):
     assert other.global_step() == 1
 
 
-def test_cluster_clients_are_refused_clearly():
-    with pytest.raises(TypeError, match="RedisCluster"):
+def test_unsupported_clients_are_refused_naming_what_to_pass():
+    with pytest.raises(TypeError, match="redis.Redis .*not object"):
         accumulator.ConditionalAccumulator(np.float32, client=object())  # type: ignore[arg-type]
+    cluster = redis.cluster.RedisCluster.__new__(redis.cluster.RedisCluster)  # no server
+    with pytest.raises(TypeError, match="Redis Cluster clients are not supported yet"):
+        accumulator.ConditionalAccumulator(np.float32, client=cluster)  # type: ignore[arg-type]
+    aio = redis.asyncio.Redis()  # connects lazily: nothing is sent
+    with pytest.raises(TypeError, match="redis.asyncio.client.Redis is an asyncio client"):
+        accumulator.ConditionalAccumulator(np.float32, client=aio)  # type: ignore[arg-type]

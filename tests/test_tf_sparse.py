@@ -577,6 +577,11 @@ class _LateWaiter:
         self._arrive()
         return self._inner.blpop(*args, **kwargs)
 
+    @property
+    def connection_pool(self) -> Any:  # the take's BLPOP takes a connection of it
+        self._arrive()
+        return self._inner.connection_pool
+
     def pubsub(self, *args: Any, **kwargs: Any) -> Any:
         self._arrive()
         return self._inner.pubsub(*args, **kwargs)

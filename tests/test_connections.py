@@ -1,0 +1,166 @@
+"""Connections the way redis-py users expect them: unix sockets, one pool per client or URL
+shared by every accumulator opened from it, the client's pool class and ``max_connections``
+kept, valkey-py clients."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import redis
+
+import accumulator
+from accumulator import _connection
+from accumulator.testing import RedisServer, find_server_binary
+
+pytestmark = pytest.mark.real
+
+
+def _round(acc: accumulator.ConditionalAccumulator, value: float = 1.0) -> None:
+    step = acc.global_step()
+    assert acc.apply_grad(np.full(3, value, np.float32), local_step=step)
+    np.testing.assert_array_equal(acc.take_grad(1, timeout=10), np.full(3, value, np.float32))
+
+
+@pytest.fixture(scope="module")
+def unix_server(tmp_path_factory: pytest.TempPathFactory):
+    if find_server_binary() is None:
+        pytest.skip("no redis-server binary")
+    sock = tmp_path_factory.mktemp("sock") / "redis.sock"
+    with RedisServer(args=["--unixsocket", str(sock), "--unixsocketperm", "700"],
+                     module=False) as server:  # fmt: skip
+        yield server, sock
+
+
+def test_a_unix_socket_url_works(unix_server: tuple[RedisServer, Path]) -> None:
+    _, sock = unix_server
+    url = f"unix://{sock}?db=0"
+    with accumulator.ConditionalAccumulator(np.float32, (3,), shared_name="u", client=url) as acc:
+        _round(acc)
+    r = redis.Redis(unix_socket_path=str(sock))  # a unix-socket client object too
+    with accumulator.ConditionalAccumulator(np.float32, (3,), shared_name="u", client=r) as acc:
+        _round(acc, 2.0)
+    assert accumulator.list_accumulators(client=url)[0].shared_name == "u"
+
+
+def test_accumulators_of_one_client_or_url_share_one_pool(real_url: str) -> None:
+    client = redis.Redis.from_url(real_url)
+    a = accumulator.ConditionalAccumulator(np.float32, (3,), shared_name="a", client=client)
+    b = accumulator.ConditionalAccumulator(np.float32, (3,), shared_name="b", client=client)
+    c = accumulator.ConditionalAccumulator(np.float32, (3,), shared_name="c", client=real_url)
+    d = accumulator.ConditionalAccumulator(np.float32, (3,), shared_name="d", client=real_url)
+    other = accumulator.ConditionalAccumulator(
+        np.float32, (3,), shared_name="e", client=redis.Redis.from_url(real_url)
+    )
+    try:
+        assert a._conns.commands is b._conns.commands and c._conns.blocking is d._conns.blocking
+        assert len({id(x._conns.commands) for x in (a, c, other)}) == 3
+        a.close()
+        _round(b)  # closing one leaves the shared pools open for the others
+        b.close()
+        assert a._conns._key not in _connection._SHARED  # the last one closed them
+        _round(d)
+    finally:
+        for acc in (a, b, c, d, other):
+            acc.close()
+
+
+def test_max_connections_and_the_pool_class_are_kept(real_url: str) -> None:
+    """50 accumulators from a client capped at 8 connections, used by 16 threads at once:
+    the server sees about 8 connections for their commands, plus the ones blocking waits hold."""
+    pool = redis.BlockingConnectionPool.from_url(real_url, max_connections=8, timeout=20)
+    client = redis.Redis(connection_pool=pool)
+    probe = redis.Redis.from_url(real_url, client_name="probe")
+    probing = threading.Lock()  # one probe connection, whatever thread asks
+
+    def ours() -> int:
+        with probing:
+            return sum(1 for c in probe.client_list() if c.get("name") != "probe")
+
+    before = ours()
+    accs = [accumulator.ConditionalAccumulator(np.float32, (3,), shared_name=f"m{i}",
+                                               client=client) for i in range(50)]  # fmt: skip
+    derived = accs[0]._conns.commands.connection_pool
+    assert isinstance(derived, redis.BlockingConnectionPool) and derived.max_connections == 8
+    errors: list[BaseException] = []
+    peak = [0]
+
+    def work(k: int) -> None:
+        try:
+            for acc in accs[k::16]:
+                for _ in range(3):
+                    _round(acc)
+                peak[0] = max(peak[0], ours() - before)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    try:
+        assert not errors, errors[:3]
+        # takes here find their round at once: no blocking waits, so the cap is the bound
+        assert 1 <= peak[0] <= 8, peak[0]
+        assert ours() - before <= 8
+    finally:
+        for acc in accs:
+            acc.close()
+
+
+def test_a_valkey_client_works_like_a_redis_client(real_url: str) -> None:
+    valkey = pytest.importorskip("valkey")
+    client = valkey.Valkey.from_url(real_url, max_connections=5)
+    acc = accumulator.ConditionalAccumulator(np.float32, (3,), shared_name="v", client=client)
+    with acc:
+        _round(acc)
+        assert acc._conns.commands.connection_pool.max_connections == 5
+    sparse = accumulator.SparseConditionalAccumulator(np.float32, (4, 2), shared_name="vs",
+                                                      client=client)  # fmt: skip
+    with sparse:
+        assert sparse.apply_grad([3], [[1.0, 2.0]], local_step=0)
+        assert sparse.take_indexed_slices_grad(1).indices.tolist() == [3]
+
+
+@pytest.mark.parametrize("queued", [False, True], ids=["head", "queued"])
+def test_close_breaks_a_wait_on_shared_pools_at_once(real_url: str, queued: bool) -> None:
+    """The pools outlive one accumulator now (others share them): close() must still break
+    its own waiting take (on BLPOP at the head of the FIFO, or on pub/sub when queued)."""
+    client = redis.Redis.from_url(real_url)
+    name = f"w-{queued}"  # the session's server is not flushed between tests
+    acc = accumulator.ConditionalAccumulator(np.float32, (3,), shared_name=name, client=client)
+    other = accumulator.ConditionalAccumulator(np.float32, (3,), shared_name=name, client=client)
+    acc.wait_slice = other.wait_slice = 30.0  # a slice would not end it in time
+    outcome: list[object] = []
+    ahead = None
+    if queued:  # another taker at the head: acc waits on the queue's pub/sub channel
+        ahead = threading.Thread(target=lambda: other.take_grad(2, timeout=20))
+        ahead.start()
+        time.sleep(0.3)
+
+    def take() -> None:
+        try:
+            outcome.append(acc.take_grad(1, timeout=20))
+        except BaseException as exc:  # noqa: BLE001 - recorded for the assertion
+            outcome.append(exc)
+
+    waiter = threading.Thread(target=take)
+    waiter.start()
+    time.sleep(0.3)
+    started = time.monotonic()
+    acc.close()
+    waiter.join(5)
+    assert outcome and isinstance(outcome[0], accumulator.CancelledError), outcome
+    assert time.monotonic() - started < 2.0
+    for _ in range(2):  # the shared pools still serve the other accumulator
+        assert other.apply_grad(np.ones(3, np.float32))
+    if ahead is not None:
+        ahead.join(10)
+    else:
+        np.testing.assert_array_equal(other.take_grad(2, timeout=5), np.ones(3, np.float32))
+    assert other.global_step() == 1
+    other.close()
