@@ -128,9 +128,16 @@ def _pool_kwargs(pool: Any) -> dict[str, Any]:
     limit = getattr(pool, "max_connections", None)
     if isinstance(limit, int) and limit < 2**31:
         out["max_connections"] = limit
-    if isinstance(pool, redis.BlockingConnectionPool):
+    if _is_blocking(pool):
         out["timeout"] = pool.timeout
     return out
+
+
+def _is_blocking(pool: Any) -> bool:
+    """A pool that waits for a free connection (redis-py's, or valkey-py's twin of it)."""
+    return isinstance(pool, redis.BlockingConnectionPool) or (
+        type(pool).__name__ == "BlockingConnectionPool"
+    )
 
 
 def _derive(pool: redis.ConnectionPool, *, limit: bool, **overrides: Any) -> redis.Redis:
@@ -202,15 +209,9 @@ def _from_valkey(client: Any) -> redis.Redis:
               if k in accepted and k not in ("retry", "connection_pool", "credential_provider",
                                              "redis_connect_func", "self", "kwargs")}  # fmt: skip
     kwargs.update(retry=_retry(), retry_on_error=[RedisConnectionError, RedisTimeoutError])
-    blocking = type(pool).__name__ == "BlockingConnectionPool"
-    pool_class = redis.BlockingConnectionPool if blocking else redis.ConnectionPool
-    limits: dict[str, Any] = {}
-    limit = getattr(pool, "max_connections", None)
-    if isinstance(limit, int) and limit < 2**31:
-        limits["max_connections"] = limit
-    if blocking:
-        limits["timeout"] = pool.timeout
-    return redis.Redis(connection_pool=pool_class(connection_class=cls, **limits, **kwargs))
+    pool_class = redis.BlockingConnectionPool if _is_blocking(pool) else redis.ConnectionPool
+    new_pool = pool_class(connection_class=cls, **_pool_kwargs(pool), **kwargs)
+    return redis.Redis(connection_pool=new_pool)
 
 
 def _is_valkey(client: object) -> bool:
