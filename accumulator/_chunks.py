@@ -20,6 +20,11 @@ from collections.abc import Iterator
 #: (``MEMORY USAGE`` of a part tells; measured on redis 7.0 with its jemalloc 5.3).
 CHUNK_BYTES = (1 << 20) - (4 << 10)
 
+#: Parts of a large gradient the accsum module path adds into the round's sum per script (the
+#: apply, then ``fold`` calls): ~8 MiB of adds, a few ms of Redis's thread each, so other
+#: clients are served in between (``FOLD`` in ``lua/_common.lua``; a test checks they agree).
+FOLD_PARTS = 8
+
 #: Bytes a streaming reader asks for per round trip (all gradients of a few parts).
 WINDOW_BYTES = 8 << 20
 

@@ -488,6 +488,9 @@ class AccumulatorBase:
 
         reply = self._io("apply_grad", send)
         code = int(reply[0])
+        # parts left to fold into the sum in Redis; a retry's answer does not say: look
+        if code == 1 and (len(reply) > 4 and int(reply[4]) or int(reply[3])) and not inline:
+            self._fold(blob)
         if code == -3:
             raise ResourceExhaustedError(
                 f"accumulator {self._shared_name!r}: a gradient of {nbytes} bytes would take "
@@ -502,6 +505,25 @@ class AccumulatorBase:
                 self._shared_name, local_step, int(reply[1]),
             )  # fmt: skip
         return code, None
+
+    def _fold(self, blob: str) -> None:
+        """Add the rest of an accepted gradient into the round's sum in Redis, a few parts per
+        script (lua/fold.lua), so that other clients are served in between. The apply is
+        already counted: a failure here is logged, not raised (the taker reads the parts
+        not folded in yet), and a retried call folds nothing twice."""
+        keys = [self._keys.state, self._keys.grads]
+        args = [SCHEMA_VERSION, blob, _chunks.FOLD_PARTS]
+        commands = self._conns.commands
+        try:
+            while int(self._io("apply_grad (folding)",
+                               lambda: _scripts.call(commands, "fold", keys, args))):  # fmt: skip
+                pass
+        except Exception:  # noqa: BLE001 - the gradient is applied; folding only saves memory
+            logger.warning(
+                "apply_grad on %r: the gradient is applied, but adding it into the sum kept in "
+                "Redis stopped; the taker reads the rest of it as it is",
+                self._shared_name, exc_info=True,
+            )  # fmt: skip
 
     # -- take ---------------------------------------------------------------------------------
 
@@ -721,7 +743,10 @@ class AccumulatorBase:
             keys = self._keys.entry_keys(entry)
             if keys is None:  # the take script checked every entry: this is not ours to follow
                 raise AccumulatorError(f"corrupt entry in claim {claim_key}: {entry[:100]!r}")
-            sources.append(entry[1:] if entry[:1] == b"i" else keys)
+            if entry[:1] == b"i":
+                sources.append(entry[1:])
+            else:  # a gradient being folded into the sum holds its parts from k on
+                sources.append([None] * self._keys.entry_first_part(entry) + list(keys))
         # count (the header's) is the number of gradients: a sum kept in Redis holds several
         reader = ClaimReader(self._conns.commands, self._io, sources, claim_key)
         return Claim(step, count, round_shape, nbytes, reader), reader.keys

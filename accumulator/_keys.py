@@ -20,8 +20,10 @@ key                    type    contents
                                ``b"i" + payload`` (small, inline), ``b"p<parts> " + blob``
                                (large: in parts, see below), ``b"s<w> <parts> " + blob``
                                (the running sum of ``w`` gradients, kept by the accsum
-                               module: parts as for ``p``) or ``b"k" + blob key`` (one key,
-                               written by schema 1 clients; still read)
+                               module: parts as for ``p``), ``b"f<k> <parts> " + blob`` (a
+                               gradient being folded into that sum: parts ``0..k-1`` are in
+                               it, the others still its own) or ``b"k" + blob key`` (one
+                               key, written by schema 1 clients; still read)
 ``P{tag}:b:<cid>:<n>:<i>`` string  part ``i`` of a large gradient payload (raw little-endian
                                bytes): every part but the last is exactly
                                :data:`accumulator._chunks.CHUNK_BYTES` long
@@ -203,10 +205,13 @@ class Keys:
             return []
         if kind == b"k":
             return [entry[1:]] if self._blob_re.match(entry[1:]) else None
-        if kind == b"s":  # a running sum: b"s<weight> <parts> <blob>"
-            weight, _, entry = entry[1:].partition(b" ")
-            if not (weight.isdigit() and weight[:1] != b"0" and len(weight) <= 9):
+        first = 0
+        if kind in (b"s", b"f"):  # b"s<weight> <parts> <blob>", b"f<first> <parts> <blob>"
+            lead, _, entry = entry[1:].partition(b" ")
+            longest = 9 if kind == b"s" else 7
+            if not (lead.isdigit() and lead[:1] != b"0" and len(lead) <= longest):
                 return None
+            first = int(lead) if kind == b"f" else 0
             kind = b"p"
             entry = b"p" + entry
         if kind == b"p":
@@ -214,10 +219,20 @@ class Keys:
             if not (head.isdigit() and head[:1] != b"0" and len(head) <= 7):
                 return None
             n = int(head)
-            if n > MAX_PARTS or not self._blob_re.match(blob):
+            if n > MAX_PARTS or first >= n or not self._blob_re.match(blob):
                 return None
-            return [self.part(blob, i) for i in range(n)]
+            return [self.part(blob, i) for i in range(first, n)]
         return None
+
+    @staticmethod
+    def entry_first_part(entry: bytes) -> int:
+        """The first part a round entry still holds itself: ``k`` of a gradient being folded
+        into the round's sum (``b"f<k> <parts> <blob>"``, parts ``0..k-1`` are in the sum),
+        0 for every other entry."""
+        if entry[:1] != b"f":
+            return 0
+        head = entry[1:].partition(b" ")[0]
+        return int(head) if head.isdigit() else 0
 
     def dedup(self, client_id: str) -> str:
         return f"{self.base}:d:{client_id}"

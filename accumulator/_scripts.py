@@ -34,7 +34,7 @@ logger = logging.getLogger("accumulator")
 #: The accumulators' scripts, registered by :func:`load_all` when an accumulator opens. The
 #: sync helper's own (``sync_lease``, ``sync_count``: keys of ``accumulator.sync``, not an
 #: accumulator's) are called by name too and loaded on first use (NOSCRIPT).
-NAMES = ("open", "apply", "take", "finish", "leave", "set_step", "reset")
+NAMES = ("open", "apply", "fold", "take", "finish", "leave", "set_step", "reset")
 ERROR_PREFIX = "ACCERR "
 
 

@@ -10,7 +10,7 @@ read them part by part.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, TypeAlias
+from typing import Any, TypeAlias, cast
 
 import redis
 
@@ -18,8 +18,9 @@ from . import _chunks
 from ._errors import AccumulatorError
 from ._wire import get_into
 
-#: A gradient's payload as a claim names it: the bytes (inline) or its part keys in order.
-Source: TypeAlias = bytes | list[bytes]
+#: A gradient's payload as a claim names it: the bytes (inline) or its part keys in order,
+#: ``None`` for a part it no longer holds (folded into the round's running sum, which holds it).
+Source: TypeAlias = bytes | list[bytes | None]
 
 
 class ClaimReader:
@@ -41,7 +42,7 @@ class ClaimReader:
     @property
     def keys(self) -> list[bytes]:
         """Every payload key the round names (freed once the take is finished)."""
-        return [key for s in self.sources if isinstance(s, list) for key in s]
+        return [key for s in self.sources if isinstance(s, list) for key in s if key is not None]
 
     def _fetch(self, requests: list[tuple[bytes, int, int, bool]]) -> list[bytes]:
         """GET (whole part) or GETRANGE of each ``(key, start, stop, whole)``, in one pipeline;
@@ -121,16 +122,20 @@ class ClaimReader:
                 for s in self.sources:
                     if isinstance(s, bytes):
                         continue
+                    key = s[0] if len(s) == 1 and len(ranges) > 1 else s[j]
+                    if key is None:  # in the running sum already
+                        continue
                     if len(s) == 1 and len(ranges) > 1:
-                        requests.append((s[0], start, stop, False))  # one key: a range of it
+                        requests.append((key, start, stop, False))  # one key: a range of it
                     else:
-                        requests.append((s[j], 0, stop - start, True))
+                        requests.append((key, 0, stop - start, True))
             fetched = iter(self._fetch_into(requests, buffer)) if requests else iter(())
             for j in window:
                 start, stop = ranges[j]
                 parts = [
                     memoryview(s)[start:stop] if isinstance(s, bytes) else next(fetched)
                     for s in self.sources
+                    if isinstance(s, bytes) or len(s) == 1 or s[j] is not None
                 ]
                 yield start, stop, parts
 
@@ -144,7 +149,10 @@ class ClaimReader:
             pieces: list[bytes] = []
             for window in _chunks.windows(len(s), 1):
                 # the lengths are the take script's to check: parts of a sparse payload
-                pieces += self._fetch_whole([s[j] for j in window])
+                keys = [s[j] for j in window]
+                if any(key is None for key in keys):  # never on the sparse path it serves
+                    raise AccumulatorError(f"claim {self._claim_key} holds a folded gradient")
+                pieces += self._fetch_whole(cast("list[bytes]", keys))
             out.append(pieces[0] if len(pieces) == 1 else b"".join(pieces))
         return out
 

@@ -125,10 +125,17 @@ local CHUNK = 1044480  -- 1 MiB - 4 KiB: why, see _chunks.py
 local FINISH_MEMORY_MS = 120000
 local MAX_PARTS = 1048576
 
+-- How many parts of a large gradient the accsum module path adds into the round's sum per
+-- script (apply.lua, then fold.lua): ~8 MiB of adds, a few ms of Redis's thread each, so
+-- other clients are served between them. accumulator/_chunks.py has the same number.
+local FOLD = 8
+
 -- The payload keys a round entry names, or nil and why not. Entries: 'i' .. payload (inline,
 -- no key), 'k' .. blob key (one key), 'p' .. n .. ' ' .. blob key (parts blob:0 .. blob:n-1),
 -- 's' .. w .. ' ' .. n .. ' ' .. blob key: the running sum of w gradients, kept in Redis by
--- the accsum module (parts as for 'p').
+-- the accsum module (parts as for 'p'), 'f' .. k .. ' ' .. n .. ' ' .. blob key: a gradient
+-- being folded into that sum: its parts 0 .. k-1 are in the sum already (and freed), parts
+-- blob:k .. blob:n-1 are still its own (0 < k < n).
 -- Only this accumulator's own payload keys are ever named: anything else is 'foreign'.
 local function entry_keys(base, entry)
   local kind = string.sub(entry, 1, 1)
@@ -138,20 +145,30 @@ local function entry_keys(base, entry)
     if is_own(base, key, 'b') then return {key} end
     return nil, 'foreign'
   end
-  if kind == 'p' or kind == 's' then
-    local n, blob
+  if kind == 'p' or kind == 's' or kind == 'f' then
+    local n, blob, first = nil, nil, 0
     if kind == 'p' then
       n, blob = string.match(entry, '^p([1-9]%d?%d?%d?%d?%d?%d?) (.+)$')
-    else
+    elseif kind == 's' then
       n, blob = string.match(entry, '^s[1-9]%d?%d?%d?%d?%d?%d?%d?%d? ([1-9]%d?%d?%d?%d?%d?%d?) (.+)$')
+    else
+      first, n, blob = string.match(entry, '^f([1-9]%d?%d?%d?%d?%d?%d?) ([1-9]%d?%d?%d?%d?%d?%d?) (.+)$')
+      first = tonumber(first)
     end
     n = tonumber(n)
     if not n or n > MAX_PARTS or not is_own(base, blob, 'b') then return nil, 'foreign' end
+    if not first or first >= n then return nil, 'foreign' end
     local keys = {}
-    for i = 0, n - 1 do keys[#keys + 1] = blob .. ':' .. i end
+    for i = first, n - 1 do keys[#keys + 1] = blob .. ':' .. i end
     return keys
   end
   return nil, 'foreign'
+end
+
+-- The first part an entry still holds itself (k of an 'f' entry; 0 otherwise).
+local function entry_first_part(entry)
+  if string.sub(entry, 1, 1) ~= 'f' then return 0 end
+  return tonumber(string.match(entry, '^f(%d+) ')) or 0
 end
 
 -- How many gradients an entry holds (a running sum holds several).
@@ -168,7 +185,8 @@ local function unlink_all(keys)
 end
 
 -- The payload length of an entry whose keys are `keys` (from entry_keys), or nil and why not:
--- every part but the last exactly CHUNK bytes, none empty or missing.
+-- every part but the last exactly CHUNK bytes, none empty or missing. For an 'f' entry, the
+-- length of the parts it still holds.
 local function entry_length(entry, keys)
   local kind = string.sub(entry, 1, 1)
   if kind == 'i' then return #entry - 1 end
@@ -177,11 +195,13 @@ local function entry_length(entry, keys)
     if len == 0 then return nil, 'missing' end
     return len
   end
-  local total = 0
+  local total, first = 0, entry_first_part(entry)
   for i, key in ipairs(keys) do
     local len = redis.call('STRLEN', key)
     if len == 0 then return nil, 'missing' end
-    if len > CHUNK or (i < #keys and len ~= CHUNK) then return nil, 'part ' .. (i - 1) .. ' length ' .. len end
+    if len > CHUNK or (i < #keys and len ~= CHUNK) then
+      return nil, 'part ' .. (first + i - 1) .. ' length ' .. len
+    end
     total = total + len
   end
   return total

@@ -10,11 +10,13 @@
 --         client's check against the declared shape, which TF applies to a round's first
 --         gradient only (later ones are compared with the round shape)
 -- With the accsum module (state field 'sum'), a large payload is added into the round's running
--- sum in Redis instead of being kept (see below).
+-- sum in Redis instead of being kept (see below): its first FOLD parts here, the others by
+-- fold.lua calls of the client (until then the entry 'f<k> <n> <blob>' holds them).
 -- Returns {code, step, count, duplicate, detail}: code 1 accepted, 0 stale,
 -- -1 shape differs from the round's (detail = round shape), -2 refused as a round's first
 -- gradient (detail = ARGV[9]), -3 the round would exceed the accumulator's pending-bytes limit
--- (detail = the limit).
+-- (detail = the limit); accepted: detail = the parts left for the client to fold into the
+-- round's sum (fold.lua), when there are.
 -- Every input and permission is checked before the first write; a refused apply changes
 -- nothing but the n_rejected statistic (and drops its own payload key).
 local state, grads, dedup, blob = KEYS[1], KEYS[2], KEYS[3], KEYS[7]
@@ -122,7 +124,9 @@ end
 if count == 0 and ARGV[9] ~= '' then
   return refuse(-2, ARGV[9])
 end
-local total = tonumber(st.bytes) + (into and 0 or tonumber(nbytes))
+-- a gradient added into the sum whole holds nothing apart; one folded in later does until then
+local partial = into and #payload_keys > FOLD
+local total = tonumber(st.bytes) + ((into and not partial) and 0 or tonumber(nbytes))
 if st.maxbytes and total > tonumber(st.maxbytes) then
   return refuse(-3, st.maxbytes)
 end
@@ -131,11 +135,27 @@ redis.call('SET', dedup, seq, 'PX', ARGV[8])
 if inline then
   redis.call('RPUSH', grads, ARGV[6])  -- already tagged 'i' by the client (no copy here)
 elseif into then
-  for i, key in ipairs(into[2]) do redis.call('ACC.ADD', key, payload_keys[i], st.sum) end
-  unlink_all(payload_keys)
-  redis.call('LSET', grads, 0, 's' .. int_str(entry_weight(into[1]) + 1) .. ' ' ..
-    string.match(into[1], '^s%d+ (.+)$'))
-  payload_keys = into[2]  -- the sum's parts: their expiry follows the round's below
+  -- At most FOLD parts are added here; the client folds the rest in with fold.lua, a few
+  -- parts per script (one script adding a 64 MiB gradient would block Redis ~25 ms).
+  local n = #payload_keys
+  local added = math.min(n, FOLD)
+  local done = {}
+  for i = 1, added do
+    redis.call('ACC.ADD', into[2][i], payload_keys[i], st.sum)
+    done[i] = payload_keys[i]
+  end
+  unlink_all(done)
+  if not partial then
+    redis.call('LSET', grads, 0, 's' .. int_str(entry_weight(into[1]) + 1) .. ' ' ..
+      string.match(into[1], '^s%d+ (.+)$'))
+    payload_keys = into[2]  -- the sum's parts: their expiry follows the round's below
+  else
+    redis.call('RPUSH', grads, 'f' .. int_str(added) .. ' ' .. int_str(n) .. ' ' .. blob)
+    local left = {}
+    for i = added + 1, n do left[#left + 1] = payload_keys[i] end
+    for _, key in ipairs(into[2]) do left[#left + 1] = key end
+    payload_keys = left  -- its own parts still held, and the sum's
+  end
 elseif summing then
   redis.call('RPUSH', grads, 's1 ' .. string.sub(entry, 2))
 else
@@ -150,4 +170,5 @@ for _, key in ipairs(payload_keys) do
   if ttl > 0 then redis.call('PEXPIRE', key, ttl) else redis.call('PERSIST', key) end
 end
 wake_head(state, KEYS[4], KEYS[5], KEYS[6], count)
+if partial then return {1, step, count, 0, int_str(#payload_keys - #into[2])} end
 return {1, step, count, 0}

@@ -130,9 +130,11 @@ if not queued and count >= n then
   local dims = 1
   for d in string.gmatch(st.rshape or '', '%d+') do dims = dims * tonumber(d) end
   local isz = tonumber(ARGV[6])
-  local function fits(len)
-    if ARGV[5] == 'd' then return len == dims * isz end
-    return len % (8 + dims * isz) == 0
+  local function fits(len, entry)
+    -- a gradient being folded holds its parts from k on (the sum has the others)
+    local folded = entry_first_part(entry) * CHUNK
+    if ARGV[5] == 'd' then return len == dims * isz - folded end
+    return folded == 0 and len % (8 + dims * isz) == 0
   end
   local entries = redis.call('LRANGE', grads, 0, -1)
   local total, bad, held = 0, {}, 0
@@ -140,7 +142,7 @@ if not queued and count >= n then
     local keys, why = entry_keys(base, entry)
     local len
     if keys then len, why = entry_length(entry, keys) end
-    if not why and not fits(len) then why = 'length ' .. len end
+    if not why and not fits(len, entry) then why = 'length ' .. len end
     if why then
       bad[#bad + 1] = {i, why, entry, keys}
     else

@@ -166,11 +166,15 @@ def entry_key_names(entry: bytes) -> list[bytes]:
     the library's own check is ``Keys.entry_keys``)."""
     if entry[:1] == b"k":
         return [entry[1:]]
-    if entry[:1] == b"s":  # a running sum kept in Redis: b"s<weight> <parts> <blob>"
-        entry = b"p" + entry.split(b" ", 1)[1]
+    first = 0
+    if entry[:1] in (b"s", b"f"):  # a running sum kept in Redis: b"s<weight> <parts> <blob>",
+        # a gradient being folded into it: b"f<first part it holds> <parts> <blob>"
+        lead, _, rest = entry[1:].partition(b" ")
+        first = int(lead) if entry[:1] == b"f" else 0
+        entry = b"p" + rest
     if entry[:1] == b"p":
         n, _, blob = entry[1:].partition(b" ")
-        return [blob + b":%d" % i for i in range(int(n))]
+        return [blob + b":%d" % i for i in range(first, int(n))]
     return []
 
 

@@ -42,6 +42,7 @@ def test_the_scripts_and_the_client_agree_on_the_chunk():
     text = LUA.read_text()
     assert int(re.search(r"^local CHUNK = (\d+)(?:  --.*)?$", text, re.M).group(1)) == CHUNK
     assert int(re.search(r"^local MAX_PARTS = (\d+)$", text, re.M).group(1)) == MAX_PARTS
+    assert int(re.search(r"^local FOLD = (\d+)$", text, re.M).group(1)) == _chunks.FOLD_PARTS
 
 
 def test_a_chunk_holds_whole_elements_of_every_dtype():

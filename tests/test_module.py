@@ -16,7 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import accumulator
-from accumulator import _acl, _chunks, _module, _reduce
+from accumulator import _acl, _chunks, _module, _reduce, _scripts
+from accumulator._keys import SCHEMA_VERSION, Keys
 from accumulator.testing import RedisServer, find_server_binary
 
 MiB = 1 << 20
@@ -132,6 +133,93 @@ def test_the_sum_stays_in_redis_one_gradient_whatever_the_workers(module_url, mo
     assert sorted(blobs) == sorted(parts)  # the applied gradients' own parts are freed
     assert int(mod.hget(acc._keys.state, "bytes")) == 4 * MiB
     np.testing.assert_array_equal(acc.take_grad(5), np.full(MiB, 15.0, np.float32))
+
+
+FOLD_SIZE = (_chunks.FOLD_PARTS * 2 + 3) * _chunks.CHUNK_BYTES // 4 + 5  # float32: 20 parts
+
+
+def _grads(k: int) -> list[np.ndarray]:
+    # integer-valued floats: every order of the additions gives the same sums exactly
+    rng = np.random.default_rng(k)
+    return [rng.integers(-50, 50, FOLD_SIZE).astype(np.float32) for _ in range(k)]
+
+
+def _entries(mod, acc) -> list[bytes]:
+    return [e.split(b" ", 1)[0] for e in mod.lrange(acc._keys.grads, 0, -1)]
+
+
+def test_a_large_apply_is_added_a_few_parts_per_script(module_url, mod, monkeypatch):
+    """No script adds more than FOLD_PARTS parts into the sum (one adding a 64 MiB gradient
+    blocked Redis ~25 ms): the apply adds the first ones, fold calls the rest."""
+    acc = make(module_url, shape=(FOLD_SIZE,), reduction_type="SUM")
+    calls: list[str] = []
+    real_call = _scripts.call
+    monkeypatch.setattr(_scripts, "call", lambda c, name, *a: (calls.append(name),
+                                                              real_call(c, name, *a))[1])
+    grads = _grads(4)
+    for g in grads:
+        assert acc.apply_grad(g, local_step=0)
+    n = _chunks.n_parts(FOLD_SIZE * 4)
+    assert calls.count("fold") == 3 * -(-(n - _chunks.FOLD_PARTS) // _chunks.FOLD_PARTS)
+    assert _entries(mod, acc) == [b"s4"]  # folded in: one sum, nothing held apart
+    parts = entry_key_names(mod.lindex(acc._keys.grads, 0))
+    assert sorted(k for k in mod.scan_iter(match=acc._keys.pattern) if b":b:" in k) == sorted(parts)
+    assert int(mod.hget(acc._keys.state, "bytes")) == FOLD_SIZE * 4
+    np.testing.assert_array_equal(acc.take_grad(4), np.sum(grads, axis=0))
+
+
+@pytest.mark.parametrize("folds", [0, 1, 2])
+def test_a_round_taken_before_its_folds_ended_is_read_whole(module_url, mod, monkeypatch, folds):
+    """A worker that dies between its apply and its folds (or half-way through them) leaves
+    'f<k>' entries: the take reads the sum plus the parts not folded yet."""
+    acc = make(module_url, shape=(FOLD_SIZE,), reduction_type="MEAN")
+    grads = _grads(3)
+    stopped: list[str] = []
+    monkeypatch.setattr(type(acc), "_fold", lambda self, blob: stopped.append(blob))
+    for g in grads:
+        assert acc.apply_grad(g, local_step=0)
+    for blob in stopped:
+        for _ in range(folds):
+            left = _scripts.call(acc.redis, "fold", [acc._keys.state, acc._keys.grads],
+                                 [SCHEMA_VERSION, blob, 3])  # fmt: skip
+            assert left > 0
+    k = _chunks.FOLD_PARTS + 3 * folds
+    assert _entries(mod, acc) == [b"s1", b"f%d" % k, b"f%d" % k]
+    want = np.empty(FOLD_SIZE, np.float32)
+    _reduce.reduce_into(want, grads, "MEAN")
+    np.testing.assert_array_equal(acc.take_grad(3), want)
+    assert int(mod.hget(acc._keys.state, "n_quarantined") or 0) == 0
+    assert not [k for k in mod.scan_iter(match=acc._keys.pattern) if b":b:" in k]
+    # a fold of a gradient whose round was taken meanwhile does nothing
+    assert _scripts.call(acc.redis, "fold", [acc._keys.state, acc._keys.grads],
+                         [SCHEMA_VERSION, stopped[0], 1]) == 0  # fmt: skip
+
+
+def test_a_round_given_back_mid_fold_is_taken_whole_again(module_url, mod, monkeypatch):
+    acc = make(module_url, shape=(FOLD_SIZE,), reduction_type="SUM")
+    grads = _grads(2)
+    monkeypatch.setattr(type(acc), "_fold", lambda self, blob: None)
+    for g in grads:
+        assert acc.apply_grad(g, local_step=0)
+    monkeypatch.setattr(_reduce, "reduce_into", _raise_memory_error)
+    with pytest.raises(MemoryError):
+        acc.take_grad(2)
+    monkeypatch.undo()
+    assert _entries(mod, acc) == [b"s1", b"f%d" % _chunks.FOLD_PARTS]
+    np.testing.assert_array_equal(acc.take_grad(2), np.sum(grads, axis=0))
+
+
+def _raise_memory_error(*args, **kwargs):
+    raise MemoryError
+
+
+def test_keys_read_fold_entries_as_the_scripts_do():
+    keys = Keys("", "n")
+    blob = keys.blob("ab", 3).encode()
+    assert keys.entry_keys(b"f2 4 " + blob) == [keys.part(blob, 2), keys.part(blob, 3)]
+    assert keys.entry_first_part(b"f2 4 " + blob) == 2 and keys.entry_weight(b"f2 4 " + blob) == 1
+    for bad in (b"f4 4 ", b"f0 4 ", b"f5 4 ", b"f2 4 other:b:ab:3", b"f 4 "):
+        assert keys.entry_keys(bad + (blob if bad.endswith(b" ") else b"")) is None, bad
 
 
 def test_a_later_opener_follows_the_stored_path(module_url, mod):
