@@ -113,7 +113,8 @@ class ClaimReader:
         ranges = _chunks.part_ranges(nbytes)
         remote = sum(1 for s in self.sources if not isinstance(s, bytes))
         windows = list(_chunks.windows(len(ranges), max(1, remote)))
-        most = max(len(w) for w in windows) * remote * min(nbytes, _chunks.CHUNK_BYTES)
+        longest = max(stop - start for start, stop in ranges)
+        most = max(len(w) for w in windows) * remote * longest
         buffer = memoryview(bytearray(most)) if remote else memoryview(b"")
         for window in windows:
             requests: list[tuple[bytes, int, int, bool]] = []

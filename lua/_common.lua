@@ -120,6 +120,14 @@ end
 -- Large payloads are stored in parts of CHUNK bytes (the last one shorter), never one value:
 -- no command moves more than a chunk. accumulator/_chunks.py has the same number.
 local CHUNK = 1044480  -- 1 MiB - 4 KiB: why, see _chunks.py
+-- A payload of up to SOLE bytes is one part (of its length: 1 MiB gradients stay one value).
+local SOLE = 1048576
+
+-- How many parts a payload of nbytes is stored in.
+local function n_parts(nbytes)
+  if nbytes <= SOLE then return 1 end
+  return math.ceil(nbytes / CHUNK)
+end
 
 -- How long a finished take is remembered (finish.lua), to answer a retried finish.
 local FINISH_MEMORY_MS = 120000
@@ -185,7 +193,8 @@ local function unlink_all(keys)
 end
 
 -- The payload length of an entry whose keys are `keys` (from entry_keys), or nil and why not:
--- every part but the last exactly CHUNK bytes, none empty or missing. For an 'f' entry, the
+-- every part but the last exactly CHUNK bytes, the last at most CHUNK (SOLE when it is the only
+-- one), none empty or missing. For an 'f' entry, the
 -- length of the parts it still holds.
 local function entry_length(entry, keys)
   local kind = string.sub(entry, 1, 1)
@@ -199,7 +208,7 @@ local function entry_length(entry, keys)
   for i, key in ipairs(keys) do
     local len = redis.call('STRLEN', key)
     if len == 0 then return nil, 'missing' end
-    if len > CHUNK or (i < #keys and len ~= CHUNK) then
+    if len > (#keys == 1 and SOLE or CHUNK) or (i < #keys and len ~= CHUNK) then
       return nil, 'part ' .. (first + i - 1) .. ' length ' .. len
     end
     total = total + len

@@ -4,7 +4,7 @@
 -- KEYS[5] taker info hash  KEYS[6] head wake list  KEYS[7] blob key (unused when inline)
 -- ARGV[1] schema  ARGV[2] client seq  ARGV[3] local_step  ARGV[4] shape token
 -- ARGV[5] 'i' inline | 'k' one blob key | 'p' parts KEYS[7]:0 .. :n-1 of CHUNK bytes each (the
---         last one shorter), n = ceil(payload bytes / CHUNK)
+--         last one shorter), n = n_parts(payload bytes) (one part up to SOLE bytes)
 -- ARGV[6] 'i' .. inline payload  ARGV[7] payload bytes
 -- ARGV[8] dedup ttl ms  ARGV[9] why the gradient may not open a round ('' = it may): the
 --         client's check against the declared shape, which TF applies to a round's first
@@ -31,7 +31,7 @@ if not (is_count(seq) and is_int64(ARGV[3]) and (inline or ARGV[5] == 'k' or ARG
 end
 local entry = 'k' .. blob
 if ARGV[5] == 'p' then
-  local parts = math.ceil(tonumber(nbytes) / CHUNK)
+  local parts = n_parts(tonumber(nbytes))
   if parts < 1 or parts > MAX_PARTS then return acc_error('BADARG apply parts') end
   entry = 'p' .. int_str(parts) .. ' ' .. blob
 end

@@ -43,6 +43,7 @@ def test_the_scripts_and_the_client_agree_on_the_chunk():
     assert int(re.search(r"^local CHUNK = (\d+)(?:  --.*)?$", text, re.M).group(1)) == CHUNK
     assert int(re.search(r"^local MAX_PARTS = (\d+)$", text, re.M).group(1)) == MAX_PARTS
     assert int(re.search(r"^local FOLD = (\d+)$", text, re.M).group(1)) == _chunks.FOLD_PARTS
+    assert int(re.search(r"^local SOLE = (\d+)$", text, re.M).group(1)) == _chunks.SOLE_PART_BYTES
 
 
 def test_a_chunk_holds_whole_elements_of_every_dtype():
@@ -69,8 +70,17 @@ def test_parts_cover_a_payload_exactly(nbytes):
     assert len(ranges) == _chunks.n_parts(nbytes)
     assert ranges[0][0] == 0 and ranges[-1][1] == nbytes
     assert all(b - a == CHUNK for a, b in ranges[:-1])
-    assert 0 < ranges[-1][1] - ranges[-1][0] <= CHUNK
+    last = ranges[-1][1] - ranges[-1][0]
+    assert 0 < last <= (_chunks.SOLE_PART_BYTES if len(ranges) == 1 else CHUNK)
     assert all(ranges[i][1] == ranges[i + 1][0] for i in range(len(ranges) - 1))
+    assert (len(ranges) == 1) == (nbytes <= _chunks.SOLE_PART_BYTES)
+
+
+def test_a_gradient_of_exactly_1_mib_is_one_part():
+    """Powers of two are common sizes: 1 MiB stays one value (a chunk and a 4 KiB tail cost
+    its apply ~40% more); from just over 1 MiB on, parts of a chunk."""
+    assert _chunks.part_ranges(1 << 20) == [(0, 1 << 20)]
+    assert _chunks.part_ranges((1 << 20) + 1) == [(0, CHUNK), (CHUNK, (1 << 20) + 1)]
 
 
 @given(st.integers(1, 3000), st.integers(1, 64))
@@ -149,6 +159,18 @@ def test_a_gradient_of_several_parts_round_trips_exactly(target, reduction):
     want = _reduce.dense_reduce(grads, np.dtype(np.float32), reduction)
     assert got.tobytes() == want.tobytes()
     assert payload_sizes(r, acc) == {}  # freed when the take returned
+
+
+def test_a_1_mib_gradient_is_stored_as_one_value(target):
+    shape = ((1 << 20) // 4,)
+    acc = make(target, shape=shape, reduction_type="SUM")
+    grads = [np.full(shape, float(i), np.float32) for i in (1, 2)]
+    for g in grads:
+        assert acc.apply_grad(g, local_step=0)
+    r = target.redis()
+    sizes = payload_sizes(r, acc)
+    assert sorted(sizes.values()) == [1 << 20] * (1 if acc.sums_in_redis else 2)
+    np.testing.assert_array_equal(acc.take_grad(2), np.full(shape, 3.0, np.float32))
 
 
 def test_a_retried_apply_of_parts_is_counted_once(real, monkeypatch):
