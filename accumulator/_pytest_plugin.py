@@ -1,0 +1,42 @@
+"""pytest fixtures for testing code that uses redis-accumulator (registered through the
+``pytest11`` entry point when the package is installed; ``-p no:accumulator`` turns them off).
+
+- ``redis_server``: a throwaway ``redis-server`` for the whole test session
+  (:class:`accumulator.testing.RedisServer`: a free loopback port, the accsum module when a C
+  compiler is present, stopped at the end).
+- ``redis_url``: its URL, with the server emptied (``FLUSHALL``) before each test, so that
+  every test starts from no accumulators.
+
+A test of a training loop is then ``def test_loop(redis_url): ...``. A ``redis-server`` (or
+``valkey-server``) binary must be on ``PATH``, or its path in ``ACCUMULATOR_REDIS_SERVER``;
+without one, the tests that ask for these fixtures are skipped with a message saying so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from .testing import RedisServer, find_server_binary
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    """A throwaway ``redis-server`` shared by the test session."""
+    if find_server_binary() is None:
+        pytest.skip("redis-accumulator's redis_server fixture needs a redis-server binary")
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture
+def redis_url(redis_server: RedisServer) -> str:
+    """The session server's URL, emptied before the test."""
+    client = redis.Redis.from_url(redis_server.url)
+    try:
+        client.flushall()
+    finally:
+        client.close()
+    return redis_server.url
