@@ -48,6 +48,9 @@ from ._stream import ClaimReader, Source, write_parts
 
 logger = logging.getLogger("accumulator")
 
+#: Seconds between two looks at a take's ``cancel`` event while it waits.
+CANCEL_SLICE = 0.1
+
 _A = TypeVar("_A", bound="AccumulatorBase")
 _T = TypeVar("_T")
 
@@ -532,11 +535,16 @@ class AccumulatorBase:
         num_required: Any,
         timeout: Any,
         decode: Callable[[Claim], _T],
+        cancel: threading.Event | None = None,
     ) -> _T:
         """Wait for and claim a round, then read it and ``decode`` it. If anything fails
-        after the claim (reading, decoding, reducing, an interrupt), the round is given back:
-        a take that raises leaves the step as it was."""
+        after the claim (reading, decoding, reducing, an interrupt, ``cancel`` set), the round
+        is given back: a take that raises leaves the step as it was."""
         self._check_open()
+        if cancel is not None and not callable(getattr(cancel, "is_set", None)):
+            raise InvalidArgumentError(
+                f"cancel must be a threading.Event (or None), not {type(cancel).__name__}"
+            )
         n = scalar_int(num_required, "num_required")
         if n < 1:
             raise InvalidArgumentError(f"Argument num_required must be positive, but was {n}")
@@ -567,6 +575,8 @@ class AccumulatorBase:
             while True:
                 if self._closed:  # closed by another thread: never claim after close()
                     raise CancelledError("the accumulator was closed while waiting")
+                if cancel is not None and cancel.is_set():
+                    raise CancelledError("take_grad was cancelled (its cancel event is set)")
                 reply = self._io(
                     "take_grad", lambda: _scripts.call(commands, "take", take_keys, take_args)
                 )
@@ -586,7 +596,7 @@ class AccumulatorBase:
                             self._shared_name, step, count,
                         )  # fmt: skip
                     break
-                wait = self.wait_slice
+                wait = self.wait_slice if cancel is None else min(self.wait_slice, CANCEL_SLICE)
                 if deadline is not None:
                     wait = min(wait, deadline - time.monotonic())
                     if wait <= 0:
@@ -618,6 +628,8 @@ class AccumulatorBase:
                 if self._io("take_grad", lambda: commands.exists(claim_key)):
                     raise
                 raise AccumulatorError(self._taken_over_message()) from exc
+            if cancel is not None and cancel.is_set():  # the last moment to give it back
+                raise CancelledError("take_grad was cancelled (its cancel event is set)")
             self._finish(taker, claim_key, blob_keys)
         except BaseException:
             # Not claimed: withdraw from the FIFO. Claimed (or unsure: a lost reply), the

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import numpy as np
@@ -87,22 +88,56 @@ class ConditionalAccumulator(AccumulatorBase):
         return to_wire(arr, self.dtype)
 
     def take_grad(
-        self, num_required: Any, name: str | None = None, *, timeout: float | None = None
+        self,
+        num_required: Any,
+        name: str | None = None,
+        *,
+        timeout: float | None = None,
+        out: np.ndarray | None = None,
+        cancel: threading.Event | None = None,
     ) -> np.ndarray:
         """Block until ``num_required`` gradients arrived (and earlier takers are served),
         then return their mean or sum and advance the global step.
 
         ``timeout`` (seconds) raises :class:`DeadlineExceededError`, consuming nothing.
+        ``out``: a C-contiguous, writable array of the accumulator's dtype and the round's
+        shape to write the result into (and return), so that a loop reuses one buffer; a
+        round of another shape raises :class:`InvalidArgumentError`, consuming nothing.
+        ``cancel``: a ``threading.Event``; once set (from any thread), the take raises
+        :class:`CancelledError` and consumes nothing: it is looked at every 0.1 s while
+        waiting, and once more after the round is read, before the take keeps it (a take
+        run in a thread, e.g. by ``asyncio.to_thread``, can so be withdrawn).
         """
-        return self._take(num_required, timeout, self._reduce_claim)
+        if out is not None:
+            self._check_out(out)
+        return self._take(num_required, timeout, lambda claim: self._reduce_claim(claim, out),
+                          cancel)  # fmt: skip
 
-    def _reduce_claim(self, claim: Claim) -> np.ndarray:
+    def _check_out(self, out: Any) -> None:
+        if not isinstance(out, np.ndarray):
+            raise InvalidArgumentError(f"out must be a numpy array, not {type(out).__name__}")
+        if out.dtype != self.dtype:
+            raise InvalidArgumentError(f"out has dtype {out.dtype}, expected {self.dtype}")
+        if not (out.flags.c_contiguous and out.flags.writeable):
+            raise InvalidArgumentError("out must be C-contiguous and writable")
+        if not shape_compatible(self.shape, out.shape):
+            raise InvalidArgumentError(
+                f"out has shape {format_shape(out.shape)}, expected {format_shape(self.shape)}"
+            )
+
+    def _reduce_claim(self, claim: Claim, out: np.ndarray | None = None) -> np.ndarray:
         """Stream the round in chunks into one preallocated result: part ``j`` of every
         gradient is reduced as it arrives (elements are independent, so chunk by chunk is
         bit for bit the sequential sum), whatever the number of gradients. Runs before the
         take returns: if it fails (MemoryError...), the round goes back."""
         shape = claim.round_shape if claim.round_shape is not None else ()
-        out = np.empty(shape, self.dtype)
+        if out is None:
+            out = np.empty(shape, self.dtype)
+        elif out.shape != tuple(shape):
+            raise InvalidArgumentError(
+                f"out has shape {format_shape(out.shape)}, but the round's gradients have "
+                f"shape {format_shape(tuple(shape))}"
+            )
         flat = out.reshape(-1).view(np.uint8)
         if flat.nbytes == 0:
             return out

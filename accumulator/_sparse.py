@@ -7,6 +7,7 @@ number of rows follows from the payload length.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -216,11 +217,17 @@ class SparseConditionalAccumulator(AccumulatorBase):
     # -- take ---------------------------------------------------------------------------------
 
     def take_grad(
-        self, num_required: Any, name: str | None = None, *, timeout: float | None = None
+        self,
+        num_required: Any,
+        name: str | None = None,
+        *,
+        timeout: float | None = None,
+        cancel: threading.Event | None = None,
     ) -> SparseGradient:
         """Block until ``num_required`` gradients arrived, then return the merged rows
-        ``(indices, values, shape)`` and advance the global step."""
-        return self._take(num_required, timeout, self._merge_claim)
+        ``(indices, values, shape)`` and advance the global step. ``timeout`` and
+        ``cancel`` as for the dense accumulator's ``take_grad``."""
+        return self._take(num_required, timeout, self._merge_claim, cancel)
 
     def _merge_claim(self, claim: Claim) -> SparseGradient:
         # runs before the take returns: if it fails (MemoryError...), the round goes back
@@ -241,10 +248,16 @@ class SparseConditionalAccumulator(AccumulatorBase):
         return SparseGradient(indices.astype(np.int64, copy=False), values, shape)
 
     def take_indexed_slices_grad(
-        self, num_required: Any, name: str | None = None, *, timeout: float | None = None
+        self,
+        num_required: Any,
+        name: str | None = None,
+        *,
+        timeout: float | None = None,
+        cancel: threading.Event | None = None,
     ) -> IndexedSlices:
         """:meth:`take_grad` as an ``IndexedSlices``."""
-        indices, values, shape = self.take_grad(num_required, name, timeout=timeout)
+        indices, values, shape = self.take_grad(num_required, name, timeout=timeout,
+                                                cancel=cancel)  # fmt: skip
         return IndexedSlices(values=values, indices=indices, dense_shape=shape)
 
 

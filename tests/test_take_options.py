@@ -1,0 +1,122 @@
+"""take_grad's ``out=`` (a reused result buffer) and ``cancel=`` (a threading.Event that
+withdraws a take running in another thread, consuming nothing)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import accumulator
+from accumulator import _reduce
+
+SMALL = (3, 2)
+LARGE = (300_000,)  # 1.2 MiB of float32: parts, and a sum in Redis on the module path
+
+
+def make(target, shape=SMALL, **kw):
+    return accumulator.ConditionalAccumulator(np.float32, shape=shape, shared_name="t",
+                                              client=target.client(), **kw)  # fmt: skip
+
+
+def state(acc) -> tuple[int, int]:
+    return acc.global_step(), acc.num_accumulated()
+
+
+@pytest.mark.parametrize("shape", [SMALL, LARGE], ids=["inline", "parts"])
+def test_take_into_a_callers_buffer(target, shape):
+    acc = make(target, shape=shape)
+    out = np.full(shape, -1.0, np.float32)
+    for step in range(2):
+        grads = [np.full(shape, float(step + i), np.float32) for i in range(3)]
+        for g in grads:
+            assert acc.apply_grad(g, local_step=step)
+        got = acc.take_grad(3, out=out)
+        assert got is out
+        np.testing.assert_array_equal(out, _reduce.dense_reduce(grads, out.dtype, "MEAN"))
+
+
+def test_a_wrong_buffer_is_refused_before_anything_is_consumed(target):
+    acc = make(target, shape=(None, 2))
+    acc.apply_grad(np.ones((3, 2)))
+    for bad, why in [
+        (np.zeros((3, 2), np.float64), "dtype float64"),
+        (np.zeros((2, 3), np.float32).T, "C-contiguous"),
+        (np.zeros((3, 3), np.float32), "shape"),
+        ([0.0] * 6, "numpy array"),
+    ]:
+        with pytest.raises(accumulator.InvalidArgumentError, match=why):
+            acc.take_grad(1, out=bad)
+    readonly = np.zeros((3, 2), np.float32)
+    readonly.flags.writeable = False
+    with pytest.raises(accumulator.InvalidArgumentError, match="writable"):
+        acc.take_grad(1, out=readonly)
+    # compatible with the declared (None, 2), not with the round's (3, 2): given back
+    with pytest.raises(accumulator.InvalidArgumentError, match=r"round's gradients"):
+        acc.take_grad(1, out=np.zeros((4, 2), np.float32))
+    assert state(acc) == (0, 1)
+    np.testing.assert_array_equal(acc.take_grad(1), np.ones((3, 2), np.float32))
+
+
+def test_a_set_cancel_event_withdraws_a_waiting_take(target):
+    acc = make(target)
+    acc.wait_slice = 30.0  # only the event can end the wait in time
+    cancel = threading.Event()
+    outcome: list[object] = []
+
+    def take() -> None:
+        try:
+            outcome.append(acc.take_grad(2, cancel=cancel))
+        except BaseException as exc:  # noqa: BLE001 - recorded for the assertion
+            outcome.append(exc)
+
+    waiter = threading.Thread(target=take)
+    waiter.start()
+    time.sleep(0.3)
+    acc.apply_grad(np.ones(SMALL))
+    cancel.set()
+    waiter.join(5)
+    assert outcome and isinstance(outcome[0], accumulator.CancelledError), outcome
+    assert state(acc) == (0, 1)  # nothing consumed
+    acc.apply_grad(np.ones(SMALL))
+    np.testing.assert_array_equal(acc.take_grad(2, timeout=5), np.ones(SMALL, np.float32))
+
+
+def test_a_cancel_while_reading_gives_the_round_back(target, monkeypatch):
+    acc = make(target)
+    acc.apply_grad(np.ones(SMALL))
+    cancel = threading.Event()
+    real_reduce = _reduce.reduce_into
+
+    def reduce_then_cancel(*args, **kwargs):
+        real_reduce(*args, **kwargs)
+        cancel.set()  # the caller gave up while the round was being read
+
+    monkeypatch.setattr(_reduce, "reduce_into", reduce_then_cancel)
+    with pytest.raises(accumulator.CancelledError):
+        acc.take_grad(1, cancel=cancel)
+    monkeypatch.undo()
+    assert state(acc) == (0, 1)
+    with pytest.raises(accumulator.CancelledError):  # already set: not even a claim
+        acc.take_grad(1, cancel=cancel)
+    assert state(acc) == (0, 1)
+    np.testing.assert_array_equal(acc.take_grad(1), np.ones(SMALL, np.float32))
+
+
+def test_cancel_must_be_an_event(target):
+    acc = make(target)
+    with pytest.raises(accumulator.InvalidArgumentError, match="threading.Event"):
+        acc.take_grad(1, cancel=True)  # type: ignore[arg-type]
+
+
+def test_the_sparse_take_takes_a_cancel_event(target):
+    acc = accumulator.SparseConditionalAccumulator(np.float32, (4, 2), shared_name="sp",
+                                                   client=target.client())  # fmt: skip
+    cancel = threading.Event()
+    cancel.set()
+    acc.apply_grad([1], [[1.0, 2.0]])
+    with pytest.raises(accumulator.CancelledError):
+        acc.take_indexed_slices_grad(1, cancel=cancel)
+    assert acc.take_indexed_slices_grad(1).indices.tolist() == [1]
