@@ -263,26 +263,33 @@ class AccumulatorBase:
 
     @property
     def dtype(self) -> np.dtype:
+        """The numpy dtype of the gradients and of the result (stored with the accumulator)."""
         return self._definition.dtype
 
     @property
     def shape(self) -> tuple[int | None, ...] | None:
+        """The declared shape (``None`` for an unknown dimension), or ``None`` for any shape."""
         return self._definition.shape
 
     @property
     def name(self) -> str | None:
+        """TF's op name: a label of this Python object, not shared and not stored."""
         return self._name
 
     @property
     def shared_name(self) -> str | None:
+        """The name every process opens to share this accumulator (``None``: private to this
+        object, deleted when it is closed)."""
         return None if self._private else self._shared_name
 
     @property
     def container(self) -> str:
+        """TF's container: a namespace of shared names (``reset_container`` deletes one)."""
         return self._container
 
     @property
     def reduction_type(self) -> str:
+        """``"MEAN"`` or ``"SUM"``: what ``take_grad`` returns of a round."""
         return self._definition.reduction_type
 
     @property

@@ -31,6 +31,23 @@ class ConditionalAccumulator(AccumulatorBase):
     Workers call :meth:`apply_grad`; a chief calls :meth:`take_grad`, which blocks until
     ``num_required`` gradients of the current step arrived and returns their mean (or sum).
 
+    What is shared: the accumulator lives in Redis, not in this object. Every process, on any
+    host, that opens the same ``shared_name`` in the same ``container`` on the same server
+    shares one accumulator: its global step, its pending round and its queue of takers. The
+    first opener creates it with ``dtype``, ``shape`` and ``reduction_type`` (stored); a
+    later opener must agree, or gets :class:`InvalidArgumentError`.
+
+    ``dtype``, ``shape``, ``reduction_type``: as TF's (``shape=None``: any shape; ``None``
+    inside it: an unknown dimension). ``shared_name``: the name to share it by; ``None``
+    makes a private accumulator, deleted when this object is closed. ``name``: TF's op name,
+    a label only. ``client``: the Redis server, as a URL (``redis://``, ``rediss://``,
+    ``unix://``), a ``redis.Redis`` or ``valkey.Valkey`` client (its settings are kept, and
+    every accumulator opened from it shares one connection pool), a Sentinel-managed client,
+    or ``None`` (``ACCUMULATOR_REDIS_URL``, then ``REDIS_URL``, then ``redis://localhost``).
+    ``container``: TF's container, a namespace of shared names (``reset_container`` deletes
+    every accumulator of one). ``max_pending_bytes``: the bytes one pending round may hold
+    (default 4 GiB; an apply past it raises :class:`ResourceExhaustedError`).
+
     ``sum_in_redis``: whether a new accumulator keeps each round's running sum inside Redis
     (the accsum module adds each large gradient in place: Redis holds one gradient per round
     and the taker reads one, whatever the number of workers). ``None`` (default) decides from

@@ -303,18 +303,22 @@ class SyncKeys:
 
     @property
     def base(self) -> str:
+        """The common prefix of the job's keys (its hash tag included)."""
         return self.prefix + ":" + hash_tag(self.container, self.job)
 
     @property
     def params(self) -> str:
+        """The hash of the published parameters' metadata (run, step, done flag, specs)."""
         return self.base + ":p"
 
     @property
     def stats(self) -> str:
+        """The hash of the job's push counts per worker."""
         return self.base + ":st"
 
     @property
     def channel(self) -> str:
+        """The pub/sub channel a publish announces itself on."""
         return self.base + ":ch"
 
     @property

@@ -56,6 +56,10 @@ class SparseConditionalAccumulator(AccumulatorBase):
     Rows are summed per index; each row keeps its own contribution count, and MEAN divides
     each row by it. Unsorted or duplicate indices are coalesced first (TF returns
     order-dependent duplicates there).
+
+    What is shared across hosts (every process opening the same ``shared_name`` in the same
+    ``container`` on the same server), and the arguments (``client``...): as for
+    :class:`ConditionalAccumulator`. Sparse rounds are always summed by the taker.
     """
 
     _kind = "sparse"

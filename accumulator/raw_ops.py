@@ -104,6 +104,8 @@ def _check_dtype(handle: AccumulatorBase, dtype: Any) -> None:
 def AccumulatorApplyGradient(  # noqa: N802
     handle: Any, local_step: Any, gradient: Any, name: str | None = None
 ) -> bool:
+    """TF's ``AccumulatorApplyGradient``: :meth:`ConditionalAccumulator.apply_grad` of the
+    dense accumulator ``handle`` names; ``False`` when dropped as stale."""
     return _handle(handle, _Dense).apply_grad(gradient, local_step=local_step)
 
 
@@ -119,7 +121,9 @@ def SparseAccumulatorApplyGradient(  # noqa: N802
     has_known_shape: Any,
     name: str | None = None,
 ) -> bool:
-    """``has_known_shape=False`` means ``gradient_shape`` is ignored (TF's doc inverts it)."""
+    """TF's ``SparseAccumulatorApplyGradient``: :meth:`SparseConditionalAccumulator.apply_grad`
+    of the sparse accumulator ``handle`` names. ``has_known_shape=False`` means
+    ``gradient_shape`` is ignored (TF's doc inverts it)."""
     try:
         flag = np.asarray(has_known_shape)
     except Exception:  # noqa: BLE001 - ragged lists, objects whose __array__ fails
@@ -135,6 +139,7 @@ def SparseAccumulatorApplyGradient(  # noqa: N802
 
 
 def AccumulatorNumAccumulated(handle: Any, name: str | None = None) -> int:  # noqa: N802
+    """TF's ``AccumulatorNumAccumulated``: gradients accepted since the last take."""
     return _handle(handle).num_accumulated()
 
 
@@ -144,6 +149,7 @@ ResourceAccumulatorNumAccumulated = AccumulatorNumAccumulated
 def AccumulatorSetGlobalStep(  # noqa: N802
     handle: Any, new_global_step: Any, name: str | None = None
 ) -> None:
+    """TF's ``AccumulatorSetGlobalStep``: set the accumulator's global step."""
     _handle(handle).set_global_step(new_global_step)
 
 
@@ -158,6 +164,8 @@ def AccumulatorTakeGradient(  # noqa: N802
     *,
     timeout: float | None = None,
 ) -> np.ndarray:
+    """TF's ``AccumulatorTakeGradient``: :meth:`ConditionalAccumulator.take_grad`, after
+    checking ``dtype`` against the accumulator's (TF's "Signature mismatch" otherwise)."""
     acc = _handle(handle, _Dense)
     _check_dtype(acc, dtype)
     return acc.take_grad(scalar_int(num_required, "num_required"), timeout=timeout)
@@ -174,6 +182,8 @@ def SparseAccumulatorTakeGradient(  # noqa: N802
     *,
     timeout: float | None = None,
 ) -> SparseGradient:
+    """TF's ``SparseAccumulatorTakeGradient``: :meth:`SparseConditionalAccumulator.take_grad`
+    (``(indices, values, shape)``), after checking ``dtype`` against the accumulator's."""
     acc = _handle(handle, _Sparse)
     _check_dtype(acc, dtype)
     return acc.take_grad(scalar_int(num_required, "num_required"), timeout=timeout)

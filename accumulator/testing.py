@@ -253,6 +253,7 @@ class RedisServer:
 
     @property
     def url(self) -> str:
+        """``redis://127.0.0.1:<port>/0`` (no password: the server is loopback-only)."""
         return f"redis://{_HOST}:{self.port}/0"
 
     @property
@@ -263,6 +264,7 @@ class RedisServer:
 
     @property
     def running(self) -> bool:
+        """True while the server process is alive."""
         return self.pid is not None
 
     @property
@@ -278,6 +280,7 @@ class RedisServer:
 
     @property
     def log_path(self) -> Path | None:
+        """The server's log file (in :attr:`workdir`), or None before a start."""
         return self._dir / "redis.log" if self._dir is not None else None
 
     # -- lifecycle ----------------------------------------------------------------------

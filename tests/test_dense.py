@@ -459,9 +459,9 @@ def test_a_taker_whose_lease_ran_out_does_not_return_the_round(target, monkeypat
     real_reduce = slow._reduce_claim
     results = []
 
-    def reduce_slowly(claim):
+    def reduce_slowly(claim, out=None):
         results.append(other.take_grad(1, timeout=5))  # meanwhile, another chief's take
-        return real_reduce(claim)
+        return real_reduce(claim, out)
 
     monkeypatch.setattr(slow, "_reduce_claim", reduce_slowly)
     with pytest.raises(accumulator.AccumulatorError, match="lease ran out"):

@@ -58,6 +58,7 @@ class WorkerStats:
 
     @property
     def accepted(self) -> int:
+        """Pushes of this worker whose every tensor was accepted."""
         return self.pushes - self.partial - self.stale
 
 

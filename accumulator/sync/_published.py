@@ -34,14 +34,17 @@ class ParamSpec:
     shape: tuple[int, ...]
 
     def pack(self) -> list[Any]:
+        """The spec as msgpack-able values (stored in the job's published metadata)."""
         return [self.name, self.kind, self.dtype.name, list(self.shape)]
 
     @classmethod
     def unpack(cls, raw: list[Any]) -> ParamSpec:
+        """The spec :meth:`pack` stored."""
         name, kind, dtype, shape = raw
         return cls(name, kind, resolve_dtype(dtype), tuple(int(d) for d in shape))
 
     def describe(self) -> str:
+        """One line for messages: name, kind, dtype, shape."""
         return f"{self.name}: {self.kind} {self.dtype.name} {format_shape(self.shape)}"
 
 

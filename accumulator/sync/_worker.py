@@ -224,5 +224,6 @@ class Worker(_Job):
         )
 
     def close(self) -> None:
+        """Stop listening for publishes and release the job's connections."""
         self._drop_pubsub()
         super().close()
