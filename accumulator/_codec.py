@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import ml_dtypes
 import msgpack
@@ -57,7 +57,7 @@ def resolve_dtype(dtype: Any) -> np.dtype:
             f"Unsupported accumulator dtype: {resolved.name} "
             f"(supported: {', '.join(sorted(_SUPPORTED))})"
         )
-    return resolved.newbyteorder("=")
+    return cast("np.dtype[Any]", resolved.newbyteorder("="))
 
 
 def wire_dtype(dtype: np.dtype) -> np.dtype:
@@ -277,11 +277,12 @@ class Definition:
 
     def pack(self) -> bytes:
         shape = None if self.shape is None else [-1 if d is None else d for d in self.shape]
-        return msgpack.packb(
+        packed = msgpack.packb(
             {"kind": self.kind, "dtype": self.dtype.name, "shape": shape,
              "reduction": self.reduction_type},
             use_bin_type=True,
         )  # fmt: skip
+        return cast(bytes, packed)
 
     @classmethod
     def unpack(cls, data: bytes) -> Definition:

@@ -7,7 +7,7 @@ import inspect
 import os
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import redis
 from redis.backoff import ExponentialWithJitterBackoff
@@ -74,8 +74,8 @@ class _Packer:
             if isinstance(arg, (bytes, bytearray, memoryview)) and len(arg) > _BIG_ARG:
                 if isinstance(arg, memoryview) and arg.format != "B":
                     raise redis.DataError("memoryviews must be cast to bytes ('B')")
-                return self._python.pack(*args)
-        return self._small.pack(*args)
+                return cast("list[bytes | memoryview]", self._python.pack(*args))
+        return cast("list[bytes | memoryview]", self._small.pack(*args))
 
 
 _PACKER = _Packer()

@@ -102,13 +102,15 @@ def init_params() -> dict[str, np.ndarray]:
 
 
 def _logits(params: dict[str, np.ndarray], data: Split) -> np.ndarray:
-    return data.x @ params["W"] + params["b"] + params["emb"][data.rows].sum(axis=1)
+    logits: np.ndarray = data.x @ params["W"] + params["b"] + params["emb"][data.rows].sum(axis=1)
+    return logits
 
 
 def _softmax(logits: np.ndarray) -> np.ndarray:
     z = logits - logits.max(axis=1, keepdims=True)
     e = np.exp(z)
-    return e / e.sum(axis=1, keepdims=True)
+    out: np.ndarray = e / e.sum(axis=1, keepdims=True)
+    return out
 
 
 def loss_and_grads(params: dict[str, np.ndarray], batch: Split) -> tuple[float, dict[str, Any]]:

@@ -9,7 +9,7 @@ raise :class:`InvalidArgumentError` and change nothing. The apply ops return ``T
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import redis
@@ -38,12 +38,13 @@ __all__ = [
 ]
 
 Client = redis.Redis | str | None
+_A = TypeVar("_A", bound=AccumulatorBase)
 
 
 def _create(
-    cls: type[_Dense] | type[_Sparse], op: str, dtype: Any, shape: Any, container: str,
+    cls: type[_A], op: str, dtype: Any, shape: Any, container: str,
     shared_name: str, reduction_type: str, name: str | None, client: Client,
-) -> Any:
+) -> _A:
     return cls(dtype, shape, shared_name or None, name or op, reduction_type,
                client=client, container=container)  # fmt: skip
 
@@ -81,12 +82,17 @@ def SparseConditionalAccumulator(  # noqa: N802 - TF's op name
                    shared_name, reduction_type, name, client)  # fmt: skip
 
 
-def _handle(handle: Any, kind: type[AccumulatorBase] | None = None) -> Any:
+def _any_handle(handle: Any) -> AccumulatorBase:
     if not isinstance(handle, AccumulatorBase):
         raise InvalidArgumentError(
             f"handle must be an accumulator created by raw_ops, got {type(handle).__name__}"
         )
-    if kind is not None and not isinstance(handle, kind):
+    return handle
+
+
+def _handle(handle: Any, kind: type[_A]) -> _A:
+    handle = _any_handle(handle)
+    if not isinstance(handle, kind):
         raise InvalidArgumentError(
             f"this op needs a {kind.__name__} handle, got {type(handle).__name__}"
         )
@@ -140,7 +146,7 @@ def SparseAccumulatorApplyGradient(  # noqa: N802
 
 def AccumulatorNumAccumulated(handle: Any, name: str | None = None) -> int:  # noqa: N802
     """TF's ``AccumulatorNumAccumulated``: gradients accepted since the last take."""
-    return _handle(handle).num_accumulated()
+    return _any_handle(handle).num_accumulated()
 
 
 ResourceAccumulatorNumAccumulated = AccumulatorNumAccumulated
@@ -150,7 +156,7 @@ def AccumulatorSetGlobalStep(  # noqa: N802
     handle: Any, new_global_step: Any, name: str | None = None
 ) -> None:
     """TF's ``AccumulatorSetGlobalStep``: set the accumulator's global step."""
-    _handle(handle).set_global_step(new_global_step)
+    _any_handle(handle).set_global_step(new_global_step)
 
 
 ResourceAccumulatorSetGlobalStep = AccumulatorSetGlobalStep
