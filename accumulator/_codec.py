@@ -16,6 +16,7 @@ import msgpack
 import numpy as np
 
 from ._errors import InvalidArgumentError
+from ._tensors import to_numpy, torch_dtype_name
 
 Shape = tuple[int | None, ...] | None
 
@@ -39,6 +40,7 @@ def resolve_dtype(dtype: Any) -> np.dtype:
     Only dtype-like objects are accepted: ``np.dtype(None)`` (float64) and ``np.dtype`` of an
     array or a scalar (its dtype) are numpy conveniences that would hide a mistake here.
     """
+    dtype = torch_dtype_name(dtype) or dtype  # torch.float32 -> "float32"
     if hasattr(dtype, "as_numpy_dtype"):  # tf.DType
         name = getattr(dtype, "name", None)
         dtype = _TF_ALIASES.get(name, name) if name in _TF_ALIASES else dtype.as_numpy_dtype
@@ -84,8 +86,7 @@ def as_array(value: Any, dtype: np.dtype, what: str = "gradient") -> np.ndarray:
     :func:`to_wire`: a wrong-shaped ``np.broadcast_to(1.0, (2**31, 4))`` is refused without
     allocating the 32 GiB a cast would.
     """
-    if hasattr(value, "detach") and hasattr(value, "requires_grad"):  # torch: no autograd here
-        value = value.detach().cpu()
+    value = to_numpy(value)  # torch tensors, DLPack objects
     try:
         arr = np.asarray(value)
     except Exception as exc:  # noqa: BLE001 - whatever the object raised, the input is bad

@@ -29,6 +29,7 @@ from ._codec import (
 )
 from ._core import MAX_PAYLOAD_BYTES, AccumulatorBase, Claim
 from ._errors import InvalidArgumentError
+from ._tensors import torch_sparse_rows
 
 _INDEX_DTYPE = np.dtype("<i8")
 
@@ -132,7 +133,11 @@ class SparseConditionalAccumulator(AccumulatorBase):
     def apply_indexed_slices_grad(
         self, grad: Any, local_step: Any = 0, name: str | None = None
     ) -> bool:
-        """:meth:`apply_grad` for an ``IndexedSlices`` (ours or TF's)."""
+        """:meth:`apply_grad` for an ``IndexedSlices`` (ours or TF's), or a torch sparse COO
+        tensor (its rows along the first dimension)."""
+        rows = torch_sparse_rows(grad)
+        if rows is not None:
+            return self.apply_grad(rows[0], rows[1], rows[2], local_step)
         try:
             indices, values = grad.indices, grad.values
         except AttributeError:
