@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from typing import Any
 
 from . import _admin
 from ._cli_context import EXIT_ERROR, EXIT_OK, EXIT_USAGE, CliError, Context, arg, command, esc
@@ -19,6 +20,7 @@ from ._cli_render import (
     render_ls,
     render_show,
 )
+from ._cli_watch import Rates, render_overview
 from ._errors import NotFoundError
 from ._redact import redact_url
 
@@ -75,8 +77,9 @@ def _positive_int(text: str) -> int:
 
 @command(
     "watch",
-    "live view of one accumulator (Ctrl-C to quit)",
-    arg("name", help="its shared_name"),
+    "live view of one accumulator, or without NAME of all, with applies/s, takes/s and a "
+    "sparkline of recent applies (Ctrl-C to quit)",
+    arg("name", nargs="?", default=None, help="its shared_name (none: every accumulator)"),
     arg(
         "-i",
         "--interval",
@@ -98,26 +101,34 @@ def _watch(ctx: Context, args: argparse.Namespace) -> int:
     r = ctx.connect()
     tty = ctx.out.isatty() and not ctx.json
     prev: _admin.Info | None = None
+    rates = Rates()
     shown = 0
     try:
         if tty:
             ctx.out.write("\x1b[2J")
         while True:
-            info = _admin.describe(r, args.name, ctx.scope)
-            if ctx.json:  # one JSON document per line
-                ctx.write(json.dumps(info.to_dict()))
+            header = (
+                f"every {args.interval:g}s · {ctx.shown_url} · "
+                f"{time.strftime('%H:%M:%S')}" + ("  (Ctrl-C to quit)" if tty else "")
+            )
+            if args.name is None:
+                rows = rates.update(_admin.list_accumulators(r, ctx.container),
+                                    int(time.time() * 1000))  # fmt: skip
+                document: Any = {"accumulators": rows}
+                lines = [header, "", *render_overview(rows)]
             else:
-                header = (
-                    f"every {args.interval:g}s · {ctx.shown_url} · "
-                    f"{time.strftime('%H:%M:%S')}" + ("  (Ctrl-C to quit)" if tty else "")
-                )
+                info = _admin.describe(r, args.name, ctx.scope)
+                document = info.to_dict()
                 lines = [header, "", *render_show(info, prev)]
+                prev = info
+            if ctx.json:  # one JSON document per line
+                ctx.write(json.dumps(document))
+            else:
                 if tty:  # home, overwrite each line, clear what the last frame left below
                     ctx.out.write("\x1b[H" + "".join(x + "\x1b[K\n" for x in lines) + "\x1b[J")
                     ctx.out.flush()
                 else:
                     ctx.write("\n".join(lines) + "\n")
-            prev = info
             shown += 1
             if args.count is not None and shown >= args.count:
                 return EXIT_OK

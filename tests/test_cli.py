@@ -234,6 +234,44 @@ def test_watch_prints_snapshots_without_a_tty(real: Target, make: Callable[..., 
     assert len(snapshots) == 3 and all(s["count"] == 1 for s in snapshots)
 
 
+def test_watch_without_a_name_shows_every_accumulator_with_its_rates(
+    real: Target, make: Callable[..., Any]
+) -> None:
+    busy, idle = make("busy"), make("idle")
+    idle.apply_grad(np.ones(SHAPE), local_step=0)
+    stop = threading.Event()
+
+    def work() -> None:  # applies and takes all along the watch
+        while not stop.is_set():
+            busy.apply_grad(np.ones(SHAPE), local_step=busy.global_step())
+            busy.take_grad(1, timeout=5)
+
+    worker = threading.Thread(target=work)
+    worker.start()
+    try:
+        lines = ok(cli("watch", "-i", "0.3", "-n", "4", "--json", "--url", real.url))
+        text = ok(cli("watch", "-i", "0.3", "-n", "2", "--url", real.url))
+    finally:
+        stop.set()
+        worker.join(10)
+    snapshots = [json.loads(line)["accumulators"] for line in lines.splitlines()]
+    assert len(snapshots) == 4
+    first = {row["shared_name"]: row for row in snapshots[0]}
+    assert first["busy"]["applies_per_s"] is None  # no rate before a second look
+    last = {row["shared_name"]: row for row in snapshots[-1]}
+    assert last["busy"]["applies_per_s"] > 0 and last["busy"]["takes_per_s"] > 0
+    assert last["idle"]["applies_per_s"] == 0 and last["idle"]["pending"] == 1
+    assert len(last["busy"]["recent_applies_per_s"]) == 3
+    assert "APPLIES/S" in text and "RECENT" in text and "\x1b" not in text
+
+
+def test_sparklines_scale_to_the_largest_value() -> None:
+    from accumulator._cli_watch import sparkline
+
+    assert sparkline([0, 0]) == "▁▁" and sparkline([]) == ""
+    assert sparkline([1, 2, 4, 8]) == "▂▃▅█"
+
+
 def test_watch_refreshes_in_place_on_a_tty(real: Target, make: Callable[..., Any]) -> None:
     make("w")
     master, slave = pty.openpty()
