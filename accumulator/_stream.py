@@ -141,21 +141,26 @@ class ClaimReader:
                 yield start, stop, parts
 
     def payloads(self) -> list[bytes]:
-        """Every gradient's whole payload, in apply order."""
-        out: list[bytes] = []
-        for s in self.sources:
+        """Every gradient's whole payload, in apply order: the parts of all of them read a
+        window at a time (one round trip for a round of small gradients, not one each)."""
+        wanted: list[tuple[int, bytes]] = []  # (source, part key) in order
+        for i, s in enumerate(self.sources):
             if isinstance(s, bytes):
-                out.append(s)
                 continue
-            pieces: list[bytes] = []
-            for window in _chunks.windows(len(s), 1):
-                # the lengths are the take script's to check: parts of a sparse payload
-                keys = [s[j] for j in window]
-                if any(key is None for key in keys):  # never on the sparse path it serves
-                    raise AccumulatorError(f"claim {self._claim_key} holds a folded gradient")
-                pieces += self._fetch_whole(cast("list[bytes]", keys))
-            out.append(pieces[0] if len(pieces) == 1 else b"".join(pieces))
-        return out
+            if any(key is None for key in s):  # never on the sparse path it serves
+                raise AccumulatorError(f"claim {self._claim_key} holds a folded gradient")
+            wanted += [(i, cast(bytes, key)) for key in s]
+        pieces: list[list[bytes]] = [[] for _ in self.sources]
+        # the lengths are the take script's to check: parts of a sparse payload
+        for window in _chunks.windows(len(wanted), 1):
+            batch = [wanted[j] for j in window]
+            for (i, _), value in zip(batch, self._fetch_whole([k for _, k in batch]),
+                                     strict=True):  # fmt: skip
+                pieces[i].append(value)
+        return [
+            s if isinstance(s, bytes) else (got[0] if len(got) == 1 else b"".join(got))
+            for s, got in zip(self.sources, pieces, strict=True)
+        ]
 
 
 def write_parts(
