@@ -64,16 +64,18 @@ def wait_until(predicate: Callable[[], bool], timeout: float = PROMPT) -> None:
 class Taker(threading.Thread):
     """A thread running one ``take_grad``; keeps the result or the exception."""
 
-    def __init__(self, acc: Any, num_required: int, timeout: float | None = PROMPT) -> None:
+    def __init__(
+        self, acc: Any, num_required: int, timeout: float | None = PROMPT, **take: Any
+    ) -> None:
         super().__init__(daemon=True)
-        self.acc, self.num_required, self.timeout = acc, num_required, timeout
+        self.acc, self.num_required, self.timeout, self.take = acc, num_required, timeout, take
         self.result: Any = None
         self.error: BaseException | None = None
         self.done_at: float | None = None
 
     def run(self) -> None:
         try:
-            self.result = self.acc.take_grad(self.num_required, timeout=self.timeout)
+            self.result = self.acc.take_grad(self.num_required, timeout=self.timeout, **self.take)
         except BaseException as exc:  # noqa: BLE001 - reported by the test
             self.error = exc
         self.done_at = time.monotonic()

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import redis
+from _helpers import Taker
 
 import accumulator
 from accumulator import _connection
@@ -135,26 +136,19 @@ def test_close_breaks_a_wait_on_shared_pools_at_once(real_url: str, queued: bool
     acc = accumulator.ConditionalAccumulator(np.float32, (3,), shared_name=name, client=client)
     other = accumulator.ConditionalAccumulator(np.float32, (3,), shared_name=name, client=client)
     acc.wait_slice = other.wait_slice = 30.0  # a slice would not end it in time
-    outcome: list[object] = []
     ahead = None
     if queued:  # another taker at the head: acc waits on the queue's pub/sub channel
         ahead = threading.Thread(target=lambda: other.take_grad(2, timeout=20))
         ahead.start()
         time.sleep(0.3)
 
-    def take() -> None:
-        try:
-            outcome.append(acc.take_grad(1, timeout=20))
-        except BaseException as exc:  # noqa: BLE001 - recorded for the assertion
-            outcome.append(exc)
-
-    waiter = threading.Thread(target=take)
+    waiter = Taker(acc, 1, timeout=20)
     waiter.start()
     time.sleep(0.3)
     started = time.monotonic()
     acc.close()
     waiter.join(5)
-    assert outcome and isinstance(outcome[0], accumulator.CancelledError), outcome
+    assert isinstance(waiter.error, accumulator.CancelledError), waiter.error
     assert time.monotonic() - started < 2.0
     for _ in range(2):  # the shared pools still serve the other accumulator
         assert other.apply_grad(np.ones(3, np.float32))

@@ -8,6 +8,7 @@ import time
 
 import numpy as np
 import pytest
+from _helpers import Taker
 
 import accumulator
 from accumulator import _reduce
@@ -64,21 +65,13 @@ def test_a_set_cancel_event_withdraws_a_waiting_take(target):
     acc = make(target)
     acc.wait_slice = 30.0  # only the event can end the wait in time
     cancel = threading.Event()
-    outcome: list[object] = []
-
-    def take() -> None:
-        try:
-            outcome.append(acc.take_grad(2, cancel=cancel))
-        except BaseException as exc:  # noqa: BLE001 - recorded for the assertion
-            outcome.append(exc)
-
-    waiter = threading.Thread(target=take)
+    waiter = Taker(acc, 2, timeout=None, cancel=cancel)
     waiter.start()
     time.sleep(0.3)
     acc.apply_grad(np.ones(SMALL))
     cancel.set()
     waiter.join(5)
-    assert outcome and isinstance(outcome[0], accumulator.CancelledError), outcome
+    assert isinstance(waiter.error, accumulator.CancelledError), waiter.error
     assert state(acc) == (0, 1)  # nothing consumed
     acc.apply_grad(np.ones(SMALL))
     np.testing.assert_array_equal(acc.take_grad(2, timeout=5), np.ones(SMALL, np.float32))
