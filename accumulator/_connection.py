@@ -104,8 +104,9 @@ class Connections:
                 if entry.users > 0:
                     return
                 del _SHARED[self._key]
-        self.blocking.close()
-        self.commands.close()
+        for client in (self.blocking, self.commands):
+            client.close()  # a client given its pool leaves the pool open: close that too
+            client.connection_pool.disconnect()
 
 
 @dataclass

@@ -61,8 +61,10 @@ def test_accumulators_of_one_client_or_url_share_one_pool(real_url: str) -> None
         assert len({id(x._conns.commands) for x in (a, c, other)}) == 3
         a.close()
         _round(b)  # closing one leaves the shared pools open for the others
+        pool = b._conns.commands.connection_pool
         b.close()
         assert a._conns._key not in _connection._SHARED  # the last one closed them
+        assert all(c._sock is None for c in pool._available_connections)  # type: ignore[attr-defined]
         _round(d)
     finally:
         for acc in (a, b, c, d, other):

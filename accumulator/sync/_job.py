@@ -125,9 +125,9 @@ class _Job:
         #: failover) before raising :class:`~accumulator.UnavailableError`; also given to the
         #: accumulators.
         self.retry_window = float(retry_window)
-        conns = connect(client)
-        self._redis: redis.Redis = conns.commands  # also what the accumulators derive from
-        self._blocking: redis.Redis = conns.blocking  # pub/sub waits only
+        self._conns = connect(client)  # a share of the pools of this client or URL
+        self._redis: redis.Redis = self._conns.commands  # what the accumulators derive from
+        self._blocking: redis.Redis = self._conns.blocking  # pub/sub waits only
         self._specs: list[ParamSpec] = []
         self._accs: dict[str, AccumulatorBase] = {}
 
@@ -249,8 +249,7 @@ class _Job:
     def close(self) -> None:
         """Close the accumulators and the connections."""
         self._close_accumulators()
-        self._blocking.close()
-        self._redis.close()
+        self._conns.close()
 
     def __enter__(self: _J) -> _J:
         return self
