@@ -3,6 +3,7 @@ and a separate pool for blocking waits."""
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import os
 import threading
@@ -114,11 +115,11 @@ class _Entry:
     commands: redis.Redis
     blocking: redis.Redis
     users: int
-    origin: object  # the user's pool (kept alive: its id is part of the key) or the URL
+    origin: object  # the user's pool (kept alive: its id is part of the key); None for a URL
 
 
-#: Shared clients: ("pool", id of a user's pool) or ("url", url) -> entry. An accumulator is
-#: one user; closing it releases its share.
+#: Shared clients: ("pool", id of a user's pool) or ("url", SHA-256 of the URL) -> entry. An
+#: accumulator is one user; closing it releases its share.
 _SHARED: dict[object, _Entry] = {}
 _LOCK = threading.Lock()
 
@@ -246,13 +247,14 @@ def connect(client: redis.Redis | str | None) -> Connections:
     if client is None:
         client = default_url()
     if isinstance(client, str):
-        key: object = ("url", client)
+        # a digest, not the URL: it may hold a password, and objects keep this key
+        key: object = ("url", hashlib.sha256(client.encode()).hexdigest())
     elif isinstance(client, redis.Redis) or _is_valkey(client):
         key = ("pool", id(client.connection_pool))
     else:
         _check_client(client)
         raise AssertionError  # _check_client raised
-    origin: object = client if isinstance(client, str) else client.connection_pool
+    origin: object = None if isinstance(client, str) else client.connection_pool
     with _LOCK:
         entry = _SHARED.get(key)
         if entry is not None and entry.origin is origin:
