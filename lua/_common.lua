@@ -185,11 +185,28 @@ local function entry_weight(entry)
   return tonumber(string.match(entry, '^s(%d+) ')) or 1
 end
 
+-- The round's running sum (its first entry, 's<w> <n> <blob>') now holds one more gradient.
+local function count_in_sum(grads, sum)
+  redis.call('LSET', grads, 0, 's' .. int_str(entry_weight(sum) + 1) .. ' ' ..
+    string.match(sum, '^s%d+ (.+)$'))
+end
+
 -- UNLINK any number of keys (Lua's unpack stops at a few thousand values).
 local function unlink_all(keys)
   for i = 1, #keys, 1000 do
     redis.call('UNLINK', unpack(keys, i, math.min(i + 999, #keys)))
   end
+end
+
+-- dst[doff + j] += src[j] for j = 1 .. m, in place (the accsum module, dtype its name), then
+-- src's parts are freed: parts of a gradient added into a round's running sum.
+local function add_parts(dst, doff, src, m, dtype)
+  local done = {}
+  for j = 1, m do
+    redis.call('ACC.ADD', dst[doff + j], src[j], dtype)
+    done[j] = src[j]
+  end
+  unlink_all(done)
 end
 
 -- The payload length of an entry whose keys are `keys` (from entry_keys), or nil and why not:

@@ -139,15 +139,9 @@ elseif into then
   -- parts per script (one script adding a 64 MiB gradient would block Redis ~25 ms).
   local n = #payload_keys
   local added = math.min(n, FOLD)
-  local done = {}
-  for i = 1, added do
-    redis.call('ACC.ADD', into[2][i], payload_keys[i], st.sum)
-    done[i] = payload_keys[i]
-  end
-  unlink_all(done)
+  add_parts(into[2], 0, payload_keys, added, st.sum)
   if not partial then
-    redis.call('LSET', grads, 0, 's' .. int_str(entry_weight(into[1]) + 1) .. ' ' ..
-      string.match(into[1], '^s%d+ (.+)$'))
+    count_in_sum(grads, into[1])
     payload_keys = into[2]  -- the sum's parts: their expiry follows the round's below
   else
     redis.call('RPUSH', grads, 'f' .. int_str(added) .. ' ' .. int_str(n) .. ' ' .. blob)

@@ -43,12 +43,7 @@ for j = 1, m do
   local len = redis.call('STRLEN', own[j])
   if len == 0 or len ~= redis.call('STRLEN', skeys[k + j]) then return n - k end
 end
-local done = {}
-for j = 1, m do
-  redis.call('ACC.ADD', skeys[k + j], own[j], st.sum)
-  done[j] = own[j]
-end
-unlink_all(done)
+add_parts(skeys, k, own, m, st.sum)
 if k + m < n then
   redis.call('LSET', grads, at - 1, 'f' .. int_str(k + m) .. ' ' .. int_str(n) .. ' ' .. blob)
   return n - k - m
@@ -57,7 +52,6 @@ end
 local nbytes = (n - 1) * CHUNK + redis.call('STRLEN', skeys[n])
 redis.call('LSET', grads, at - 1, '\0folded')
 redis.call('LREM', grads, 1, '\0folded')
-redis.call('LSET', grads, 0, 's' .. int_str(entry_weight(sum) + 1) .. ' ' ..
-  string.match(sum, '^s%d+ (.+)$'))
+count_in_sum(grads, sum)
 redis.call('HSET', state, 'bytes', int_str(math.max(0, tonumber(st.bytes) - nbytes)))
 return 0
