@@ -499,7 +499,9 @@ class AccumulatorBase:
         reply = self._io("apply_grad", send)
         code = int(reply[0])
         # parts left to fold into the sum in Redis; a retry's answer does not say: look
-        if code == 1 and (len(reply) > 4 and int(reply[4]) or int(reply[3])) and not inline:
+        if code == 1 and not inline and self._sum_dtype and (
+            len(reply) > 4 and int(reply[4]) or int(reply[3])
+        ):
             self._fold(blob)
         if code == -3:
             raise ResourceExhaustedError(

@@ -116,6 +116,11 @@ class ClaimReader:
         longest = max(stop - start for start, stop in ranges)
         most = max(len(w) for w in windows) * remote * longest
         buffer = memoryview(bytearray(most)) if remote else memoryview(b"")
+
+        def key_of(s: list[bytes | None], j: int) -> bytes | None:
+            # one key for a whole multi-part payload: a range of it; None: in the running sum
+            return s[0] if len(s) == 1 else s[j]
+
         for window in windows:
             requests: list[tuple[bytes, int, int, bool]] = []
             for j in window:
@@ -123,11 +128,11 @@ class ClaimReader:
                 for s in self.sources:
                     if isinstance(s, bytes):
                         continue
-                    key = s[0] if len(s) == 1 and len(ranges) > 1 else s[j]
-                    if key is None:  # in the running sum already
+                    key = key_of(s, j)
+                    if key is None:
                         continue
                     if len(s) == 1 and len(ranges) > 1:
-                        requests.append((key, start, stop, False))  # one key: a range of it
+                        requests.append((key, start, stop, False))
                     else:
                         requests.append((key, 0, stop - start, True))
             fetched = iter(self._fetch_into(requests, buffer)) if requests else iter(())
@@ -136,7 +141,7 @@ class ClaimReader:
                 parts = [
                     memoryview(s)[start:stop] if isinstance(s, bytes) else next(fetched)
                     for s in self.sources
-                    if isinstance(s, bytes) or len(s) == 1 or s[j] is not None
+                    if isinstance(s, bytes) or key_of(s, j) is not None
                 ]
                 yield start, stop, parts
 
