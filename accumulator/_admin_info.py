@@ -12,7 +12,7 @@ from typing import Any
 import msgpack
 
 from ._codec import Definition, format_shape, parse_shape_token
-from ._core import TAKER_LEASE_SECONDS
+from ._model import TAKER_LEASE_SECONDS
 
 _LEASE_MS = int(TAKER_LEASE_SECONDS * 1000)
 _STATS = (

@@ -21,11 +21,96 @@ from ._codec import (
     wire_dtype,
     wire_nbytes,
 )
-from ._core import MAX_PAYLOAD_BYTES, AccumulatorBase, Claim
+from ._core import AccumulatorBase
 from ._errors import InvalidArgumentError
+from ._model import MAX_PAYLOAD_BYTES, AccumulatorModel
+from ._protocol import Claim, apply, take
+from ._requests import Ops
 
 
-class ConditionalAccumulator(AccumulatorBase):
+class DenseOps(AccumulatorModel):
+    """The dense accumulator's checks, apply and take steps, shared by the sync class and
+    ``accumulator.aio``'s."""
+
+    _kind = "dense"
+
+    def _apply_grad_ops(self, grad: Any, local_step: Any) -> Ops[bool]:
+        step = scalar_int(local_step, "local_step")
+        arr = self._checked(grad)
+        code, round_shape = yield from apply(self, arr, shape_token(arr.shape), step)
+        if code == -1:
+            raise InvalidArgumentError(
+                f"Shape mismatch: expected {format_shape(parse_shape_token(round_shape))}, "
+                f"got {format_shape(arr.shape)}"
+            )
+        return code == 1
+
+    def _checked(self, grad: Any) -> np.ndarray:
+        """The gradient as the wire array, after every check that does not need Redis
+        (dtype, declared shape, size, range). The checks run on the metadata first: the cast
+        copies, and a wrong-shaped broadcast view (np.broadcast_to(1.0, (2**31, 4))) must not
+        be materialized."""
+        arr = as_array(grad, self.dtype)
+        if not shape_compatible(self.shape, arr.shape):
+            raise InvalidArgumentError(
+                f"Shape mismatch: expected {format_shape(self.shape)}, "
+                f"got {format_shape(arr.shape)}"
+            )
+        check_payload_size(wire_nbytes(arr, self.dtype), MAX_PAYLOAD_BYTES)
+        return to_wire(arr, self.dtype)
+
+    def _take_grad_ops(
+        self,
+        num_required: Any,
+        timeout: Any,
+        out: np.ndarray | None,
+        cancel: threading.Event | None = None,
+    ) -> Ops[np.ndarray]:
+        if out is not None:
+            self._check_out(out)
+        return (yield from take(self, num_required, timeout,
+                                lambda claim: self._reduce_claim(claim, out), cancel))  # fmt: skip
+
+    def _check_out(self, out: Any) -> None:
+        if not isinstance(out, np.ndarray):
+            raise InvalidArgumentError(f"out must be a numpy array, not {type(out).__name__}")
+        if out.dtype != self.dtype:
+            raise InvalidArgumentError(f"out has dtype {out.dtype}, expected {self.dtype}")
+        if not (out.flags.c_contiguous and out.flags.writeable):
+            raise InvalidArgumentError("out must be C-contiguous and writable")
+        if not shape_compatible(self.shape, out.shape):
+            raise InvalidArgumentError(
+                f"out has shape {format_shape(out.shape)}, expected {format_shape(self.shape)}"
+            )
+
+    def _reduce_claim(self, claim: Claim, out: np.ndarray | None = None) -> Ops[np.ndarray]:
+        """Stream the round in chunks into one preallocated result: part ``j`` of every
+        gradient is reduced as it arrives (elements are independent, so chunk by chunk is
+        bit for bit the sequential sum), whatever the number of gradients. Runs before the
+        take returns: if it fails (MemoryError...), the round goes back."""
+        shape = claim.round_shape if claim.round_shape is not None else ()
+        if out is None:
+            out = np.empty(shape, self.dtype)
+        elif out.shape != tuple(shape):
+            raise InvalidArgumentError(
+                f"out has shape {format_shape(out.shape)}, but the round's gradients have "
+                f"shape {format_shape(tuple(shape))}"
+            )
+        flat = out.reshape(-1).view(np.uint8)
+        if flat.nbytes == 0:
+            return out
+        wire = wire_dtype(self.dtype)
+
+        def consume(start: int, stop: int, parts: list[Any]) -> None:
+            grads = [np.frombuffer(part, wire) for part in parts]
+            _reduce.reduce_into(
+                flat[start:stop].view(self.dtype), grads, self.reduction_type, count=claim.count
+            )
+
+        yield from claim.reader.read_chunks(flat.nbytes, consume)
+        return out
+
+class ConditionalAccumulator(AccumulatorBase, DenseOps):
     """A dense gradient accumulator shared by every process that opens its ``shared_name``.
 
     Workers call :meth:`apply_grad`; a chief calls :meth:`take_grad`, which blocks until
@@ -55,8 +140,6 @@ class ConditionalAccumulator(AccumulatorBase):
     at creation and stored; every later opener follows it (:attr:`sums_in_redis`).
     """
 
-    _kind = "dense"
-
     def __init__(
         self,
         dtype: Any,
@@ -80,29 +163,7 @@ class ConditionalAccumulator(AccumulatorBase):
         Raises :class:`InvalidArgumentError` (nothing changed) when the gradient cannot be
         cast to the dtype, does not fit the declared shape, or differs from this round's shape.
         """
-        step = scalar_int(local_step, "local_step")
-        arr = self._checked(grad)
-        code, round_shape = self._apply(arr, shape_token(arr.shape), step)
-        if code == -1:
-            raise InvalidArgumentError(
-                f"Shape mismatch: expected {format_shape(parse_shape_token(round_shape))}, "
-                f"got {format_shape(arr.shape)}"
-            )
-        return code == 1
-
-    def _checked(self, grad: Any) -> np.ndarray:
-        """The gradient as the wire array, after every check that does not need Redis
-        (dtype, declared shape, size, range). The checks run on the metadata first: the cast
-        copies, and a wrong-shaped broadcast view (np.broadcast_to(1.0, (2**31, 4))) must not
-        be materialized."""
-        arr = as_array(grad, self.dtype)
-        if not shape_compatible(self.shape, arr.shape):
-            raise InvalidArgumentError(
-                f"Shape mismatch: expected {format_shape(self.shape)}, "
-                f"got {format_shape(arr.shape)}"
-            )
-        check_payload_size(wire_nbytes(arr, self.dtype), MAX_PAYLOAD_BYTES)
-        return to_wire(arr, self.dtype)
+        return self._run(self._apply_grad_ops(grad, local_step))
 
     def take_grad(
         self,
@@ -125,43 +186,4 @@ class ConditionalAccumulator(AccumulatorBase):
         waiting, and once more after the round is read, before the take keeps it (a take
         run in a thread, e.g. by ``asyncio.to_thread``, can so be withdrawn).
         """
-        if out is not None:
-            self._check_out(out)
-        return self._take(num_required, timeout, lambda claim: self._reduce_claim(claim, out),
-                          cancel)  # fmt: skip
-
-    def _check_out(self, out: Any) -> None:
-        if not isinstance(out, np.ndarray):
-            raise InvalidArgumentError(f"out must be a numpy array, not {type(out).__name__}")
-        if out.dtype != self.dtype:
-            raise InvalidArgumentError(f"out has dtype {out.dtype}, expected {self.dtype}")
-        if not (out.flags.c_contiguous and out.flags.writeable):
-            raise InvalidArgumentError("out must be C-contiguous and writable")
-        if not shape_compatible(self.shape, out.shape):
-            raise InvalidArgumentError(
-                f"out has shape {format_shape(out.shape)}, expected {format_shape(self.shape)}"
-            )
-
-    def _reduce_claim(self, claim: Claim, out: np.ndarray | None = None) -> np.ndarray:
-        """Stream the round in chunks into one preallocated result: part ``j`` of every
-        gradient is reduced as it arrives (elements are independent, so chunk by chunk is
-        bit for bit the sequential sum), whatever the number of gradients. Runs before the
-        take returns: if it fails (MemoryError...), the round goes back."""
-        shape = claim.round_shape if claim.round_shape is not None else ()
-        if out is None:
-            out = np.empty(shape, self.dtype)
-        elif out.shape != tuple(shape):
-            raise InvalidArgumentError(
-                f"out has shape {format_shape(out.shape)}, but the round's gradients have "
-                f"shape {format_shape(tuple(shape))}"
-            )
-        flat = out.reshape(-1).view(np.uint8)
-        if flat.nbytes == 0:
-            return out
-        wire = wire_dtype(self.dtype)
-        for start, stop, parts in claim.reader.chunks(flat.nbytes):
-            grads = [np.frombuffer(part, wire) for part in parts]
-            _reduce.reduce_into(
-                flat[start:stop].view(self.dtype), grads, self.reduction_type, count=claim.count
-            )
-        return out
+        return self._run(self._take_grad_ops(num_required, timeout, out, cancel))

@@ -107,5 +107,10 @@ def server_has_module(client: Any) -> bool:
         reply = client.execute_command(PING_COMMAND)
     except Exception:  # noqa: BLE001 - unknown command, ACL, a double without modules
         return False
+    return is_probe_reply(reply)
+
+
+def is_probe_reply(reply: Any) -> bool:
+    """Whether a reply to :data:`PING_COMMAND` comes from our module."""
     text = reply.decode() if isinstance(reply, bytes) else str(reply)
     return text.startswith(MODULE_NAME + " ")

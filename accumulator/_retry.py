@@ -13,10 +13,11 @@ other driver share it.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -84,14 +85,38 @@ def call(
         try:
             return fn()
         except TRANSIENT as exc:
-            if not is_transient(exc):
-                raise
-            wait = backoff.next_delay(time.monotonic())
-            if wait is None or give_up():
-                raise UnavailableError(
-                    f"{what}: Redis unreachable for {window:g}s "
-                    f"({backoff.failures} attempts; last: {type(exc).__name__}: {exc})"
-                ) from exc
-            if backoff.failures == 1:
-                logger.info("%s: %s; retrying for up to %gs", what, exc, window)
-            time.sleep(wait)
+            time.sleep(_next_wait(backoff, exc, what, give_up))
+
+
+async def acall(
+    fn: Callable[[], Awaitable[T]],
+    what: str,
+    *,
+    window: float = RETRY_WINDOW,
+    give_up: Callable[[], bool] = lambda: False,
+) -> T:
+    """:func:`call` for asyncio: ``await fn()``, retried the same way."""
+    backoff = Backoff(window)
+    while True:
+        try:
+            return await fn()
+        except TRANSIENT as exc:
+            await asyncio.sleep(_next_wait(backoff, exc, what, give_up))
+
+
+def _next_wait(
+    backoff: Backoff, exc: BaseException, what: str, give_up: Callable[[], bool]
+) -> float:
+    """Seconds to pause before retrying after ``exc``; raises it (or UnavailableError once the
+    window is over, or ``give_up()``) when it is not to be retried."""
+    if not is_transient(exc):
+        raise exc
+    wait = backoff.next_delay(time.monotonic())
+    if wait is None or give_up():
+        raise UnavailableError(
+            f"{what}: Redis unreachable for {backoff.window:g}s "
+            f"({backoff.failures} attempts; last: {type(exc).__name__}: {exc})"
+        ) from exc
+    if backoff.failures == 1:
+        logger.info("%s: %s; retrying for up to %gs", what, exc, backoff.window)
+    return wait

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from functools import cache
 from importlib import resources
 from pathlib import Path
@@ -63,37 +63,87 @@ def evalsha_args(name: str, keys: Sequence[str | bytes], args: Sequence[Any]) ->
     return ["EVALSHA", sha(name), len(keys), *keys, *args]
 
 
-def call(client: redis.Redis, name: str, keys: Sequence[str | bytes], args: Sequence[Any]) -> Any:
-    """Run a script; on NOSCRIPT loads it (or, where SCRIPT LOAD is not allowed, sends its
-    source with EVAL); turns ``ACCERR`` and ACL replies into our exceptions."""
+def steps(name: str, keys: Sequence[str | bytes], args: Sequence[Any]) -> Generator[
+    list[Any], Any, Any
+]:
+    """Run a script, as commands for a driver to send (``reply = yield command``, its error
+    thrown back in): EVALSHA; on NOSCRIPT, SCRIPT LOAD (or, where that is not allowed, EVAL
+    with the source); ``ACCERR`` and ACL replies raised as our exceptions."""
     try:
         try:
-            return client.execute_command(*evalsha_args(name, keys, args))
+            return (yield evalsha_args(name, keys, args))
         except NoScriptError:
             try:
-                client.script_load(source(name))
+                yield ["SCRIPT", "LOAD", source(name)]
             except NoPermissionError:
-                return client.execute_command("EVAL", source(name), len(keys), *keys, *args)
-            return client.execute_command(*evalsha_args(name, keys, args))
+                return (yield ["EVAL", source(name), len(keys), *keys, *args])
+            return (yield evalsha_args(name, keys, args))
     except ResponseError as exc:
         raise translate(exc) from exc
 
 
-def load_all(client: redis.Redis) -> None:
-    """Register every script with this server once, so the hot path never sees NOSCRIPT.
+def call(client: redis.Redis, name: str, keys: Sequence[str | bytes], args: Sequence[Any]) -> Any:
+    """Run a script on a synchronous client (see :func:`steps`)."""
+    run = steps(name, keys, args)
+    reply: Any = None
+    error: BaseException | None = None
+    while True:
+        try:
+            command = run.send(reply) if error is None else run.throw(error)
+        except StopIteration as stop:
+            return stop.value
+        reply, error = None, None
+        try:
+            reply = client.execute_command(*command)
+        except ResponseError as exc:
+            error = exc
 
-    A user not allowed ``SCRIPT LOAD`` is fine while the scripts are loaded already (or when
-    it may ``EVAL``): :func:`call` copes with NOSCRIPT itself.
-    """
-    pipe = client.pipeline(transaction=False)
-    for name in NAMES:
-        pipe.script_load(source(name))
-    for reply in pipe.execute(raise_on_error=False):
-        if isinstance(reply, NoPermissionError):
+
+async def acall(client: Any, name: str, keys: Sequence[str | bytes], args: Sequence[Any]) -> Any:
+    """Run a script on a ``redis.asyncio`` client (see :func:`steps`)."""
+    run = steps(name, keys, args)
+    reply: Any = None
+    error: BaseException | None = None
+    while True:
+        try:
+            command = run.send(reply) if error is None else run.throw(error)
+        except StopIteration as stop:
+            return stop.value
+        reply, error = None, None
+        try:
+            reply = await client.execute_command(*command)
+        except ResponseError as exc:
+            error = exc
+
+
+def load_commands() -> list[tuple[Any, ...]]:
+    """The commands that register every accumulator script (see :func:`check_loaded`)."""
+    return [("SCRIPT", "LOAD", source(n)) for n in NAMES]
+
+
+def check_loaded(replies: Sequence[Any]) -> None:
+    """Check the replies to :func:`load_commands`. A user not allowed ``SCRIPT LOAD`` is fine
+    while the scripts are loaded already (or when it may ``EVAL``): script calls cope with
+    NOSCRIPT themselves."""
+    for reply in replies:
+        if is_no_permission(reply):
             logger.debug("SCRIPT LOAD not allowed (%s); relying on EVALSHA/EVAL", reply)
             return
         if isinstance(reply, Exception):
             raise reply
+
+
+def load_all(client: redis.Redis) -> None:
+    """Register every script with this server (see :func:`check_loaded`)."""
+    pipe = client.pipeline(transaction=False)
+    for command in load_commands():
+        pipe.execute_command(*command)
+    check_loaded(pipe.execute(raise_on_error=False))
+
+
+def is_no_permission(reply: Any) -> bool:
+    """Whether a reply is the server's refusal of a command to this user (ACL)."""
+    return isinstance(reply, NoPermissionError)
 
 
 def translate(exc: Exception) -> Exception:

@@ -27,8 +27,11 @@ from ._codec import (
     wire_dtype,
     wire_nbytes,
 )
-from ._core import MAX_PAYLOAD_BYTES, AccumulatorBase, Claim
+from ._core import AccumulatorBase
 from ._errors import InvalidArgumentError
+from ._model import MAX_PAYLOAD_BYTES, AccumulatorModel
+from ._protocol import Claim, apply, take
+from ._requests import Ops
 from ._tensors import torch_sparse_rows
 
 _INDEX_DTYPE = np.dtype("<i8")
@@ -51,55 +54,22 @@ class SparseGradient(NamedTuple):
     shape: np.ndarray  # int64: [declared dim 0 or -1, *inner dims]
 
 
-class SparseConditionalAccumulator(AccumulatorBase):
-    """A sparse gradient accumulator shared by every process that opens its ``shared_name``.
-
-    Rows are summed per index; each row keeps its own contribution count, and MEAN divides
-    each row by it. Unsorted or duplicate indices are coalesced first (TF returns
-    order-dependent duplicates there).
-
-    What is shared across hosts (every process opening the same ``shared_name`` in the same
-    ``container`` on the same server), and the arguments (``client``...): as for
-    :class:`ConditionalAccumulator`. Sparse rounds are always summed by the taker.
-    """
+class SparseOps(AccumulatorModel):
+    """The sparse accumulator's checks, apply and take steps, shared by the sync class and
+    ``accumulator.aio``'s."""
 
     _kind = "sparse"
 
-    def __init__(
-        self,
-        dtype: Any,
-        shape: Any = None,
-        shared_name: str | None = None,
-        name: str = "sparse_conditional_accumulator",
-        reduction_type: str = "MEAN",
-        *,
-        client: redis.Redis | str | None = None,
-        container: str = "",
-        max_pending_bytes: int | None = None,
-    ) -> None:
-        super().__init__(dtype, shape, shared_name, name, reduction_type, client=client,
-                         container=container, max_pending_bytes=max_pending_bytes)  # fmt: skip
-
     # -- apply --------------------------------------------------------------------------------
 
-    def apply_grad(
-        self,
-        grad_indices: Any,
-        grad_values: Any,
-        grad_shape: Any = None,
-        local_step: Any = 0,
-        name: str | None = None,
-    ) -> bool:
-        """Add a sparse gradient to the current round; ``False`` if dropped as stale.
-
-        Invalid input raises :class:`InvalidArgumentError` with TF's message (nothing
-        changes) unless the gradient is stale: TF checks staleness first.
-        """
+    def _apply_grad_ops(
+        self, grad_indices: Any, grad_values: Any, grad_shape: Any, local_step: Any
+    ) -> Ops[bool]:
         step = scalar_int(local_step, "local_step")
         try:
             indices, values = self._validate(grad_indices, grad_values, grad_shape)
         except InvalidArgumentError:
-            if step < self.global_step():  # stale input is dropped before any validation
+            if step < (yield from self._step_ops()):  # stale input is dropped before any validation
                 return False
             raise
         inner = values.shape[1:]
@@ -121,7 +91,7 @@ class SparseConditionalAccumulator(AccumulatorBase):
             payload = np.empty(indices.nbytes + values.nbytes, dtype=np.uint8)
             payload[: indices.nbytes] = indices.astype(_INDEX_DTYPE, copy=False).view(np.uint8)
             payload[indices.nbytes :] = np.ascontiguousarray(values).reshape(-1).view(np.uint8)
-        code, detail = self._apply(payload, shape_token(inner), step, first_error)
+        code, detail = yield from apply(self, payload, shape_token(inner), step, first_error)
         if code == -1:
             raise InvalidArgumentError(_round_mismatch(parse_shape_token(detail), values))
         if code == -2:
@@ -130,14 +100,12 @@ class SparseConditionalAccumulator(AccumulatorBase):
             raise AssertionError("a gradient refused by its values shape was accepted")
         return code == 1
 
-    def apply_indexed_slices_grad(
-        self, grad: Any, local_step: Any = 0, name: str | None = None
-    ) -> bool:
-        """:meth:`apply_grad` for an ``IndexedSlices`` (ours or TF's), or a torch sparse COO
-        tensor (its rows along the first dimension)."""
+    def _slices_rows(self, grad: Any) -> tuple[Any, Any, Any]:
+        """(indices, values, dense shape) of an ``IndexedSlices`` (ours or TF's) or a torch
+        sparse COO tensor (its rows along the first dimension)."""
         rows = torch_sparse_rows(grad)
         if rows is not None:
-            return self.apply_grad(rows[0], rows[1], rows[2], local_step)
+            return rows
         try:
             indices, values = grad.indices, grad.values
         except AttributeError:
@@ -145,7 +113,7 @@ class SparseConditionalAccumulator(AccumulatorBase):
                 "expected an IndexedSlices (with .indices, .values and .dense_shape), "
                 f"got {type(grad).__name__}"
             ) from None
-        return self.apply_grad(indices, values, getattr(grad, "dense_shape", None), local_step)
+        return indices, values, getattr(grad, "dense_shape", None)
 
     def _validate(
         self, grad_indices: Any, grad_values: Any, grad_shape: Any
@@ -225,6 +193,74 @@ class SparseConditionalAccumulator(AccumulatorBase):
 
     # -- take ---------------------------------------------------------------------------------
 
+    def _merge_claim(self, claim: Claim) -> Ops[SparseGradient]:
+        # runs before the take returns: if it fails (MemoryError...), the round goes back
+        inner = claim.round_shape or ()
+        dtype = wire_dtype(self.dtype)
+        row_bytes = _INDEX_DTYPE.itemsize + int(np.prod(inner, dtype=np.int64)) * dtype.itemsize
+        grads = []
+        for payload in (yield from claim.reader.payloads()):
+            rows = len(payload) // row_bytes
+            cut = rows * _INDEX_DTYPE.itemsize
+            idx = np.frombuffer(payload, dtype=_INDEX_DTYPE, count=rows)
+            vals = np.frombuffer(payload, dtype=dtype, offset=cut).reshape((rows, *inner))
+            grads.append((idx, vals))
+        indices, values = _reduce.sparse_merge(grads, inner, self.dtype, self.reduction_type)
+        declared = self.shape
+        dim0 = declared[0] if declared else None
+        shape = np.array([-1 if dim0 is None else dim0, *inner], dtype=np.int64)
+        return SparseGradient(indices.astype(np.int64, copy=False), values, shape)
+
+
+class SparseConditionalAccumulator(AccumulatorBase, SparseOps):
+    """A sparse gradient accumulator shared by every process that opens its ``shared_name``.
+
+    Rows are summed per index; each row keeps its own contribution count, and MEAN divides
+    each row by it. Unsorted or duplicate indices are coalesced first (TF returns
+    order-dependent duplicates there).
+
+    What is shared across hosts (every process opening the same ``shared_name`` in the same
+    ``container`` on the same server), and the arguments (``client``...): as for
+    :class:`ConditionalAccumulator`. Sparse rounds are always summed by the taker.
+    """
+
+    def __init__(
+        self,
+        dtype: Any,
+        shape: Any = None,
+        shared_name: str | None = None,
+        name: str = "sparse_conditional_accumulator",
+        reduction_type: str = "MEAN",
+        *,
+        client: redis.Redis | str | None = None,
+        container: str = "",
+        max_pending_bytes: int | None = None,
+    ) -> None:
+        super().__init__(dtype, shape, shared_name, name, reduction_type, client=client,
+                         container=container, max_pending_bytes=max_pending_bytes)  # fmt: skip
+
+    def apply_grad(
+        self,
+        grad_indices: Any,
+        grad_values: Any,
+        grad_shape: Any = None,
+        local_step: Any = 0,
+        name: str | None = None,
+    ) -> bool:
+        """Add a sparse gradient to the current round; ``False`` if dropped as stale.
+
+        Invalid input raises :class:`InvalidArgumentError` with TF's message (nothing
+        changes) unless the gradient is stale: TF checks staleness first.
+        """
+        return self._run(self._apply_grad_ops(grad_indices, grad_values, grad_shape, local_step))
+
+    def apply_indexed_slices_grad(
+        self, grad: Any, local_step: Any = 0, name: str | None = None
+    ) -> bool:
+        """:meth:`apply_grad` for an ``IndexedSlices`` (ours or TF's), or a torch sparse COO
+        tensor (its rows along the first dimension)."""
+        return self.apply_grad(*self._slices_rows(grad), local_step)
+
     def take_grad(
         self,
         num_required: Any,
@@ -236,25 +272,7 @@ class SparseConditionalAccumulator(AccumulatorBase):
         """Block until ``num_required`` gradients arrived, then return the merged rows
         ``(indices, values, shape)`` and advance the global step. ``timeout`` and
         ``cancel`` as for the dense accumulator's ``take_grad``."""
-        return self._take(num_required, timeout, self._merge_claim, cancel)
-
-    def _merge_claim(self, claim: Claim) -> SparseGradient:
-        # runs before the take returns: if it fails (MemoryError...), the round goes back
-        inner = claim.round_shape or ()
-        dtype = wire_dtype(self.dtype)
-        row_bytes = _INDEX_DTYPE.itemsize + int(np.prod(inner, dtype=np.int64)) * dtype.itemsize
-        grads = []
-        for payload in claim.payloads:
-            rows = len(payload) // row_bytes
-            cut = rows * _INDEX_DTYPE.itemsize
-            idx = np.frombuffer(payload, dtype=_INDEX_DTYPE, count=rows)
-            vals = np.frombuffer(payload, dtype=dtype, offset=cut).reshape((rows, *inner))
-            grads.append((idx, vals))
-        indices, values = _reduce.sparse_merge(grads, inner, self.dtype, self.reduction_type)
-        declared = self.shape
-        dim0 = declared[0] if declared else None
-        shape = np.array([-1 if dim0 is None else dim0, *inner], dtype=np.int64)
-        return SparseGradient(indices.astype(np.int64, copy=False), values, shape)
+        return self._run(take(self, num_required, timeout, self._merge_claim, cancel))
 
     def take_indexed_slices_grad(
         self,

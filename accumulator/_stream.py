@@ -1,4 +1,4 @@
-"""Reading a claimed round's payloads in chunks (the I/O edge of the take).
+"""Reading a claimed round's payloads in chunks, and a parameter's parts.
 
 A round entry is an inline payload or names payload keys (``Keys.entry_keys``). Dense takes
 stream: part ``j`` of every gradient arrives together, gets reduced into the result, and is
@@ -9,13 +9,14 @@ read them part by part.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeAlias, cast
 
 import redis
 
 from . import _chunks
 from ._errors import AccumulatorError
+from ._requests import Batch, Ops, Receive
 from ._wire import get_into
 
 #: A gradient's payload as a claim names it: the bytes (inline) or its part keys in order,
@@ -23,19 +24,14 @@ from ._wire import get_into
 Source: TypeAlias = bytes | list[bytes | None]
 
 
-class ClaimReader:
-    """Reads the payloads of one claimed round; ``io(what, fn)`` runs ``fn`` with the
-    accumulator's retries (reads are idempotent)."""
+WHAT = "take_grad (reading)"
 
-    def __init__(
-        self,
-        commands: redis.Redis,
-        io: Callable[[str, Callable[[], Any]], Any],
-        sources: Sequence[Source],
-        claim_key: str,
-    ) -> None:
-        self._commands = commands
-        self._io = io
+
+class ClaimReader:
+    """Reads the payloads of one claimed round (sans-I/O: its methods are protocol steps,
+    generators of ``_requests``; reads are idempotent, so the drivers retry them)."""
+
+    def __init__(self, sources: Sequence[Source], claim_key: str) -> None:
         self.sources = list(sources)
         self._claim_key = claim_key
 
@@ -44,72 +40,47 @@ class ClaimReader:
         """Every payload key the round names (freed once the take is finished)."""
         return [key for s in self.sources if isinstance(s, list) for key in s if key is not None]
 
-    def _fetch(self, requests: list[tuple[bytes, int, int, bool]]) -> list[bytes]:
-        """GET (whole part) or GETRANGE of each ``(key, start, stop, whole)``, in one pipeline;
-        every value must be there at the expected length."""
+    def _missing(self, key: bytes) -> AccumulatorError:
+        return AccumulatorError(
+            f"gradient payload {key[-60:]!r} of a claimed round is missing or has the wrong "
+            f"length (claim {self._claim_key})"
+        )
 
-        def run() -> list[Any]:
-            pipe = self._commands.pipeline(transaction=False)
-            for key, start, stop, whole in requests:
-                if whole:
-                    pipe.get(key)
-                else:
-                    pipe.getrange(key, start, stop - 1)
-            return pipe.execute()
-
-        values = self._io("take_grad (reading)", run)
+    def _fetch(
+        self, requests: list[tuple[bytes, int, int, bool]], window: memoryview | None = None
+    ) -> Ops[list[Any]]:
+        """GET (whole part) or GETRANGE of each ``(key, start, stop, whole)``; every value
+        must be there at the expected length. With a ``window`` and only whole parts, the
+        values are received straight into it where the driver can (zero-copy, see
+        ``_wire``): they are then views of ``window``, valid until the next call."""
+        if window is not None and all(whole for *_, whole in requests):
+            outs, pos = [], 0
+            for _, start, stop, _ in requests:
+                outs.append(window[pos : pos + stop - start])
+                pos += stop - start
+            keys = [key for key, *_ in requests]
+            found = yield Receive(WHAT, keys, outs)
+            if found is not None:
+                for key, ok in zip(keys, found, strict=True):
+                    if not ok:
+                        raise self._missing(key)
+                return outs
+        commands = [
+            ("GET", key) if whole else ("GETRANGE", key, start, stop - 1)
+            for key, start, stop, whole in requests
+        ]
+        values = yield Batch(WHAT, commands)
         for (key, start, stop, _), value in zip(requests, values, strict=True):
             if value is None or len(value) != stop - start:
-                raise AccumulatorError(
-                    f"gradient payload {key[-60:]!r} of a claimed round is missing or has the "
-                    f"wrong length (claim {self._claim_key})"
-                )
+                raise self._missing(key)
         return list(values)
 
-    def _fetch_whole(self, keys: list[bytes]) -> list[bytes]:
-        def run() -> list[Any]:
-            pipe = self._commands.pipeline(transaction=False)
-            for key in keys:
-                pipe.get(key)
-            return pipe.execute()
-
-        values = self._io("take_grad (reading)", run)
-        for key, value in zip(keys, values, strict=True):
-            if value is None:
-                raise AccumulatorError(
-                    f"gradient payload {key[-60:]!r} of a claimed round is missing "
-                    f"(claim {self._claim_key})"
-                )
-        return list(values)
-
-    def _fetch_into(
-        self, requests: list[tuple[bytes, int, int, bool]], window: memoryview
-    ) -> list[Any]:
-        """:meth:`_fetch`, received straight into ``window`` (zero-copy, see ``_wire``) when
-        every request is a whole part and the client allows; the values are then views of
-        ``window``, valid until the next call."""
-        if any(not whole for *_, whole in requests):
-            return self._fetch(requests)
-        outs, pos = [], 0
-        for _, start, stop, _ in requests:
-            outs.append(window[pos : pos + stop - start])
-            pos += stop - start
-        keys = [key for key, *_ in requests]
-        found = self._io("take_grad (reading)", lambda: get_into(self._commands, keys, outs))
-        if found is None:
-            return self._fetch(requests)
-        for key, ok in zip(keys, found, strict=True):
-            if not ok:
-                raise AccumulatorError(
-                    f"gradient payload {key[-60:]!r} of a claimed round is missing or has the "
-                    f"wrong length (claim {self._claim_key})"
-                )
-        return outs
-
-    def chunks(self, nbytes: int) -> Iterator[tuple[int, int, list[Any]]]:
-        """``(start, stop, parts)`` for every chunk of payloads of ``nbytes`` each: ``parts``
-        holds bytes ``[start, stop)`` of every gradient, in apply order (bytes-like, valid
-        until the next chunk: they may be views of one reused receive buffer)."""
+    def read_chunks(
+        self, nbytes: int, consume: Callable[[int, int, list[Any]], None]
+    ) -> Ops[None]:
+        """``consume(start, stop, parts)`` for every chunk of payloads of ``nbytes`` each:
+        ``parts`` holds bytes ``[start, stop)`` of every gradient, in apply order (bytes-like,
+        valid during the call only: they may be views of one reused receive buffer)."""
         ranges = _chunks.part_ranges(nbytes)
         remote = sum(1 for s in self.sources if not isinstance(s, bytes))
         windows = list(_chunks.windows(len(ranges), max(1, remote)))
@@ -135,7 +106,7 @@ class ClaimReader:
                         requests.append((key, start, stop, False))
                     else:
                         requests.append((key, 0, stop - start, True))
-            fetched = iter(self._fetch_into(requests, buffer)) if requests else iter(())
+            fetched = iter((yield from self._fetch(requests, buffer)) if requests else ())
             for j in window:
                 start, stop = ranges[j]
                 parts = [
@@ -143,9 +114,9 @@ class ClaimReader:
                     for s in self.sources
                     if isinstance(s, bytes) or key_of(s, j) is not None
                 ]
-                yield start, stop, parts
+                consume(start, stop, parts)
 
-    def payloads(self) -> list[bytes]:
+    def payloads(self) -> Ops[list[bytes]]:
         """Every gradient's whole payload, in apply order: the parts of all of them read a
         window at a time (one round trip for a round of small gradients, not one each)."""
         wanted: list[tuple[int, bytes]] = []  # (source, part key) in order
@@ -159,8 +130,13 @@ class ClaimReader:
         # the lengths are the take script's to check: parts of a sparse payload
         for window in _chunks.windows(len(wanted), 1):
             batch = [wanted[j] for j in window]
-            for (i, _), value in zip(batch, self._fetch_whole([k for _, k in batch]),
-                                     strict=True):  # fmt: skip
+            values = yield Batch(WHAT, [("GET", key) for _, key in batch])
+            for (i, key), value in zip(batch, values, strict=True):
+                if value is None:
+                    raise AccumulatorError(
+                        f"gradient payload {key[-60:]!r} of a claimed round is missing "
+                        f"(claim {self._claim_key})"
+                    )
                 pieces[i].append(value)
         return [
             s if isinstance(s, bytes) else (got[0] if len(got) == 1 else b"".join(got))

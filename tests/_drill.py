@@ -42,8 +42,8 @@ import redis
 from _helpers import entry_payload
 
 import accumulator
-from accumulator._core import INLINE_MAX_BYTES
 from accumulator._keys import Keys
+from accumulator._model import INLINE_MAX_BYTES
 
 DTYPE = np.int8
 FAULTS = ("kill_worker", "kill_taker", "kill_redis", "client_kill", "pause_all", "pause_write")

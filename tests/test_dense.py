@@ -11,7 +11,7 @@ import pytest
 import redis
 
 import accumulator
-from accumulator import _core
+from accumulator import _model
 from accumulator._keys import Keys
 
 SMALL = (3, 2)
@@ -84,7 +84,7 @@ def test_private_accumulators_are_unreachable_and_cleaned_up(target):
     assert a.shared_name is None
     r = target.redis()
     state = a.accumulator_ref + ":s"
-    assert 0 < r.pttl(state) <= _core.PRIVATE_TTL_MS  # safety net while the process lives
+    assert 0 < r.pttl(state) <= _model.PRIVATE_TTL_MS  # safety net while the process lives
     a.close()
     assert not r.exists(state)
     with pytest.raises(accumulator.CancelledError):
@@ -106,14 +106,14 @@ def test_a_resent_apply_is_counted_once(target, shape):
     acc = make(target, shape=shape)
     g = np.ones(shape, np.float32)
     assert acc.apply_grad(g) is True
-    acc._local.seq -= 1  # the next apply re-sends the previous one
+    acc._identities._free[-1].seq -= 1  # the next apply re-sends the previous one
     assert acc.apply_grad(g) is True  # answered like the original
     assert acc.num_accumulated() == 1
     acc.apply_grad(2 * g)
     np.testing.assert_array_equal(acc.take_grad(2), 1.5 * g)
     # a re-sent stale apply stays dropped and leaves no payload behind
     assert acc.apply_grad(g, local_step=0) is False
-    acc._local.seq -= 1
+    acc._identities._free[-1].seq -= 1
     assert acc.apply_grad(g, local_step=0) is False
     assert acc.num_accumulated() == 0
     r = target.redis()
@@ -454,8 +454,8 @@ def test_a_taker_whose_lease_ran_out_does_not_return_the_round(target, monkeypat
     rather than both returning it."""
     slow, other = make(target, shape=LARGE), make(target, shape=LARGE)
     slow.apply_grad(np.ones(LARGE))
-    monkeypatch.setattr(_core, "CLAIM_LEASE_MS", 0)
-    monkeypatch.setattr(_core, "CLAIM_LEASE_MS_PER_MIB", 0)
+    monkeypatch.setattr(_model, "CLAIM_LEASE_MS", 0)
+    monkeypatch.setattr(_model, "CLAIM_LEASE_MS_PER_MIB", 0)
     real_reduce = slow._reduce_claim
     results = []
 

@@ -174,12 +174,12 @@ def test_open_warns_when_redis_may_evict_our_keys(real, caplog):
     r = real.redis()
     r.config_set("maxmemory-policy", "allkeys-lru")
     try:
-        accumulator._core._policy_checked.clear()
+        accumulator._model._policy_checked.clear()
         make(real)
         assert "maxmemory-policy is 'allkeys-lru'" in caplog.text
     finally:
         r.config_set("maxmemory-policy", "noeviction")
-        accumulator._core._policy_checked.clear()
+        accumulator._model._policy_checked.clear()
 
 
 # -- 7. no claim-then-fail ----------------------------------------------------------------------
@@ -325,7 +325,7 @@ def test_pending_bytes_are_bounded(target):
     assert acc.num_accumulated() == 5
     default = make(target, "d")
     assert accumulator._admin.describe(target.redis(), "d").max_pending_bytes == (
-        accumulator._core.DEFAULT_MAX_PENDING_BYTES
+        accumulator._model.DEFAULT_MAX_PENDING_BYTES
     )
     default.close()
     with pytest.raises(accumulator.InvalidArgumentError, match="max_pending_bytes"):

@@ -9,9 +9,10 @@ from typing import Any, cast
 import numpy as np
 
 from .._codec import check_payload_size, format_shape, to_wire, wire_nbytes
-from .._core import MAX_PAYLOAD_BYTES, AccumulatorBase
+from .._core import AccumulatorBase
 from .._dense import ConditionalAccumulator
 from .._errors import InvalidArgumentError
+from .._model import MAX_PAYLOAD_BYTES
 from .._sparse import SparseConditionalAccumulator
 from ._published import ParamSpec
 

@@ -1,0 +1,350 @@
+"""What the synchronous and asyncio accumulators share: their state, their checks and the
+simple protocol steps (open, read and set the step), with no I/O of their own.
+
+The protocol steps are generators of requests (``_requests``); the drivers
+(:class:`accumulator.AccumulatorBase`, ``accumulator.aio``) do the I/O. The apply and take
+protocols are in ``_protocol``; kind-specific checks and reductions in ``_dense`` and
+``_sparse`` (``DenseOps``, ``SparseOps``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from . import _module, _retry, _scripts
+from ._codec import Definition, format_shape, normalize_shape, resolve_dtype, scalar_int
+from ._connection import WAIT_SLICE
+from ._errors import (
+    CancelledError,
+    InvalidArgumentError,
+    NotFoundError,
+    UnavailableError,
+)
+from ._keys import SCHEMA_VERSION, Keys
+from ._requests import Batch, Call, Command, Ops
+
+logger = logging.getLogger("accumulator")
+
+#: Payloads up to this size travel inside the apply script call (one round trip); larger ones
+#: are written in parts of one chunk each (``_chunks``), with plain SETs in the same pipeline
+#: (no copy through Lua).
+INLINE_MAX_BYTES = 32 * 1024
+#: How long a waiting taker's place in the FIFO survives without renewal (a crashed taker
+#: blocks the takers behind it at most this long). Renewed every WAIT_SLICE.
+TAKER_LEASE_SECONDS = 6.0
+#: A payload written by an apply that never reached its script expires after this.
+ORPHAN_TTL_MS = 3600 * 1000
+#: How long Redis remembers a client's last apply, to answer a retried one again.
+DEDUP_TTL_MS = 600 * 1000
+#: A claim is leased to its taker for this long, plus CLAIM_LEASE_MS_PER_MIB
+#: per MiB of payload, while it reads and reduces the round; past that the taker is taken for
+#: gone and the next take hands its round over (nothing is lost with a crashed chief).
+CLAIM_LEASE_MS = 5 * 1000
+CLAIM_LEASE_MS_PER_MIB = 50  # 20 MiB/s: far below loopback or LAN speed
+#: The largest gradient payload: 16 GiB (stored in parts of one chunk each, so Redis itself
+#: sets no limit). A guard against a mistaken broadcast view: the taker holds one result.
+MAX_PAYLOAD_BYTES = 16 * 1024**3
+#: Safety-net expiry of a private (unnamed) accumulator, renewed by every write.
+PRIVATE_TTL_MS = 24 * 3600 * 1000
+#: Default limit on the payload bytes one pending round may hold (``max_pending_bytes``):
+#: past it applies get ResourceExhaustedError instead of exhausting Redis.
+DEFAULT_MAX_PENDING_BYTES = 4 * 1024**3
+#: Shared names starting with this are private accumulators' (unnamed ones): nobody opens them.
+PRIVATE_PREFIX = "__private__/"
+#: maxmemory policies that never evict our keys.
+_SAFE_POLICIES = ("noeviction", "")
+#: Servers (host, port, path, db) whose eviction policy was looked at by this process.
+_policy_checked: set[tuple[Any, ...]] = set()
+
+_REDUCTIONS = ("MEAN", "SUM")
+
+
+def _check_name(value: Any, what: str) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"{what} must be a str, not {type(value).__name__}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidArgumentError(
+            f"{what} {value!r} is not valid Unicode text (it cannot be encoded as UTF-8: {exc})"
+        ) from None
+    return value
+
+
+@dataclass
+class Identity:
+    """An apply identity: Redis recognises a retried apply by (client id, sequence number),
+    and remembers only each client id's last apply, so one identity serves one apply at a
+    time."""
+
+    client_id: str
+    seq: int = 0
+
+
+class Identities:
+    """Apply identities of one accumulator object, lent to one apply each: concurrent applies
+    (threads, asyncio tasks) never share one, and a sequential caller reuses the same."""
+
+    def __init__(self) -> None:
+        self._free: list[Identity] = []
+        self._lock = threading.Lock()
+
+    def acquire(self) -> Identity:
+        """An identity no apply in flight uses, its sequence number advanced."""
+        with self._lock:
+            ident = self._free.pop() if self._free else Identity(uuid.uuid4().hex[:16])
+        ident.seq += 1
+        return ident
+
+    def release(self, ident: Identity) -> None:
+        """Give an identity back once its apply returned (or failed for good)."""
+        with self._lock:
+            self._free.append(ident)
+
+
+class AccumulatorModel:
+    """State, checks and I/O-free protocol steps shared by the sync and asyncio classes."""
+
+    _kind = ""
+    #: Tuning knobs, per object so that tests (and unusual deployments) can shorten them.
+    wait_slice: float = WAIT_SLICE
+    taker_lease: float = TAKER_LEASE_SECONDS
+    #: Seconds (plus CLAIM_LEASE_MS_PER_MIB per MiB) a claimed round stays this taker's while
+    #: it reads and reduces it; past that, if another taker comes, the round is handed over.
+    claim_lease: float | None = None  # None: CLAIM_LEASE_MS
+    #: Seconds an operation rides through an unreachable Redis (a restart, a failover, killed
+    #: connections) before raising :class:`UnavailableError`; retried applies count once.
+    retry_window: float = _retry.RETRY_WINDOW
+
+    def _setup(
+        self,
+        dtype: Any,
+        shape: Any,
+        shared_name: str | None,
+        name: str | None,
+        reduction_type: str,
+        container: str,
+        max_pending_bytes: int | None,
+        sum_in_redis: bool | None,
+    ) -> None:
+        """Check the constructor's arguments and set the state (no I/O)."""
+        container = _check_name("" if container is None else container, "container")
+        if sum_in_redis not in (None, True, False):
+            raise InvalidArgumentError(
+                f"sum_in_redis must be True, False or None (decide from the server), got "
+                f"{sum_in_redis!r}"
+            )
+        self._want_sum = sum_in_redis
+        if shared_name is not None:
+            shared_name = _check_name(shared_name, "shared_name")
+            if shared_name.startswith(PRIVATE_PREFIX):
+                raise InvalidArgumentError(
+                    f"shared_name {shared_name!r}: names starting with {PRIVATE_PREFIX!r} belong "
+                    "to private (unnamed) accumulators and cannot be opened by name"
+                )
+        if max_pending_bytes is not None and (
+            isinstance(max_pending_bytes, bool)
+            or not isinstance(max_pending_bytes, (int, np.integer))
+            or max_pending_bytes < 1
+        ):
+            raise InvalidArgumentError(
+                f"max_pending_bytes must be a positive integer or None, got {max_pending_bytes!r}"
+            )
+        self._max_pending = max_pending_bytes
+        if not isinstance(reduction_type, str) or reduction_type not in _REDUCTIONS:
+            raise InvalidArgumentError(
+                f"Unsupported reduction type: {reduction_type!r} (expected 'MEAN' or 'SUM')"
+            )
+        self._definition = Definition(
+            self._kind, resolve_dtype(dtype), normalize_shape(shape), reduction_type
+        )
+        self._name = None if name is None else _check_name(name, "name")
+        self._private = not shared_name
+        self._shared_name = shared_name or f"{PRIVATE_PREFIX}{uuid.uuid4().hex}"
+        self._container = container
+        self._keys = Keys(self._container, self._shared_name)
+        self._identities = Identities()
+        #: the accsum module's dtype when this accumulator keeps its sums in Redis (set by open)
+        self._sum_dtype = ""
+        self._closed = False
+
+    # -- properties ---------------------------------------------------------------------------
+
+    @property
+    def dtype(self) -> np.dtype:
+        """The numpy dtype of the gradients and of the result (stored with the accumulator)."""
+        return self._definition.dtype
+
+    @property
+    def shape(self) -> tuple[int | None, ...] | None:
+        """The declared shape (``None`` for an unknown dimension), or ``None`` for any shape."""
+        return self._definition.shape
+
+    @property
+    def name(self) -> str | None:
+        """TF's op name: a label of this Python object, not shared and not stored."""
+        return self._name
+
+    @property
+    def shared_name(self) -> str | None:
+        """The name every process opens to share this accumulator (``None``: private to this
+        object, deleted when it is closed)."""
+        return None if self._private else self._shared_name
+
+    @property
+    def container(self) -> str:
+        """TF's container: a namespace of shared names (``reset_container`` deletes one)."""
+        return self._container
+
+    @property
+    def reduction_type(self) -> str:
+        """``"MEAN"`` or ``"SUM"``: what ``take_grad`` returns of a round."""
+        return self._definition.reduction_type
+
+    @property
+    def accumulator_ref(self) -> str:
+        """The handle naming this accumulator in Redis: the common prefix of its keys."""
+        return self._keys.base
+
+    @property
+    def sums_in_redis(self) -> bool:
+        """Whether this accumulator keeps each round's running sum inside Redis (the accsum
+        module; decided when the accumulator was created), rather than its taker summing."""
+        return bool(self._sum_dtype)
+
+    def __repr__(self) -> str:
+        return (
+            f"<{type(self).__name__} {self._shared_name!r} {self.dtype.name} "
+            f"{format_shape(self.shape)} {self.reduction_type}>"
+        )
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CancelledError("the accumulator was closed")
+
+    # -- open ---------------------------------------------------------------------------------
+
+    def _open_ops(self, where: tuple[Any, ...]) -> Ops[None]:
+        """Register the scripts, create the accumulator or check the stored definition, and
+        warn once per server (``where``) about an evicting memory policy."""
+        ttl = PRIVATE_TTL_MS if self._private else 0
+        limit = self._max_pending or DEFAULT_MAX_PENDING_BYTES
+        explicit = 0 if self._max_pending is None else 1
+        yield from _load_scripts()
+        summed = yield from self._sum_dtype_for_new()
+        created, existing, summed = yield Call(
+            "open", "open", [self._keys.state],
+            [SCHEMA_VERSION, self._definition.pack(), ttl, int(limit), explicit, summed],
+        )  # fmt: skip
+        self._sum_dtype = summed.decode() if isinstance(summed, bytes) else (summed or "")
+        if self._want_sum and not self._sum_dtype:
+            logger.warning(
+                "accumulator %r exists and sums on the taker: sum_in_redis=True applies only "
+                "when an accumulator is created", self._shared_name,
+            )  # fmt: skip
+        yield from _warn_if_evicting(where)
+        if not created and existing != self._definition.pack():
+            theirs = Definition.unpack(existing)
+            mine = self._definition
+            if mine.shape is None and (mine.kind, mine.dtype, mine.reduction_type) == (
+                theirs.kind,
+                theirs.dtype,
+                theirs.reduction_type,
+            ):
+                # unknown shape is compatible with any (as in TF): adopt the stored one
+                self._definition = theirs
+            elif theirs != mine:
+                raise InvalidArgumentError(
+                    f"Accumulator {self._shared_name!r} already exists as "
+                    f"{theirs.describe()}; cannot open it as {self._definition.describe()}"
+                )
+
+    def _sum_dtype_for_new(self) -> Ops[str]:
+        """The accsum module's dtype when a new accumulator is to keep its sums in Redis: a
+        dense one of a dtype the module adds, on a server that runs the module (or as
+        ``sum_in_redis`` says); else ''."""
+        if self._want_sum is False or self._kind != "dense":
+            return ""
+        name = _module.module_dtype(self.dtype)
+        if self._want_sum is None and name is None:
+            return ""
+        if name is None:
+            raise InvalidArgumentError(
+                f"sum_in_redis=True: the accsum module does not add {self.dtype.name} "
+                "(float32/64 and integer dtypes only)"
+            )
+        if not (yield from _server_has_module()):
+            if self._want_sum is None:  # the server decides
+                return ""
+            raise UnavailableError(
+                "sum_in_redis=True, but the Redis server does not run the accsum module (see "
+                "the README's 'Redis module' section)"
+            )
+        return name
+
+    # -- simple state -------------------------------------------------------------------------
+
+    def _read_state_ops(self, *fields: str) -> Ops[list[bytes | None]]:
+        self._check_open()
+        values = yield Command("read", ("HMGET", self._keys.state, "schema", *fields))
+        if values[0] is None:
+            raise NotFoundError(f"accumulator {self._shared_name!r} does not exist")
+        return list(values[1:])
+
+    def _count_ops(self) -> Ops[int]:
+        return int((yield from self._read_state_ops("count"))[0] or 0)
+
+    def _step_ops(self) -> Ops[int]:
+        return int((yield from self._read_state_ops("step"))[0] or 0)
+
+    def _set_step_ops(self, new_global_step: Any) -> Ops[None]:
+        self._check_open()
+        new = scalar_int(new_global_step, "new_global_step")
+        old = int((yield Call("set_global_step", "set_step", [self._keys.state],
+                              [SCHEMA_VERSION, new])))  # fmt: skip
+        if new < old:
+            logger.warning(
+                "Attempt to set current_global_step_ to smaller value: "
+                "current_global_step_ = %d >= %d = new_global_step.",
+                old, new,
+            )  # fmt: skip
+
+
+def _load_scripts() -> Ops[None]:
+    """Register every script with this server once, so the hot path never sees NOSCRIPT."""
+    _scripts.check_loaded((yield Batch("open", _scripts.load_commands(), raise_on_error=False)))
+
+
+def _server_has_module() -> Ops[bool]:
+    """Whether the server runs our module (its probe command answers). Any error (unknown
+    command, no permission, fakeredis) means no."""
+    try:
+        reply = yield Command("open", (_module.PING_COMMAND,))
+    except Exception:  # noqa: BLE001 - unknown command, ACL, a double without modules
+        return False
+    return _module.is_probe_reply(reply)
+
+
+def _warn_if_evicting(where: tuple[Any, ...]) -> Ops[None]:
+    """Log a warning (once per server and process) when Redis may evict our keys."""
+    if where in _policy_checked:
+        return
+    _policy_checked.add(where)
+    try:
+        info = yield Command("open", ("INFO", "memory"))
+    except Exception:  # noqa: BLE001 - no INFO (ACL, fakeredis, managed service): cannot tell
+        return
+    policy = str(info.get("maxmemory_policy", "")) if isinstance(info, dict) else ""
+    if policy not in _SAFE_POLICIES:
+        logger.warning(
+            "Redis maxmemory-policy is %r: at the memory limit Redis may evict accumulator "
+            "keys (pending gradients, retry records), losing gradients or counting a retried "
+            "apply twice; use 'noeviction' (see the README, 'Memory and eviction')",
+            policy,
+        )

@@ -1,0 +1,372 @@
+"""The apply and take protocols, written once for every driver (sans-I/O: generators of
+``_requests``; see that module).
+
+Apply: the payload's parts (SET NX, from the caller's buffer) and the apply script go in one
+pipeline; on the module path the rest of a large gradient is then folded into the round's sum
+a few parts per script. Take: the take script either claims a round or places the taker in
+the FIFO, which then waits (BLPOP at the head, a subscription behind it) in bounded slices;
+the claimed round is read and decoded, and the finish script keeps it. Anything that fails
+after the claim gives the round back (the leave script).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from numbers import Real
+from typing import Any, TypeVar
+
+import numpy as np
+from redis.exceptions import ResponseError
+
+from . import _chunks, _model, _scripts
+from ._codec import parse_shape_token, scalar_int, to_payload
+from ._errors import (
+    AccumulatorError,
+    CancelledError,
+    DeadlineExceededError,
+    InvalidArgumentError,
+    ResourceExhaustedError,
+)
+from ._keys import SCHEMA_VERSION, Keys
+from ._model import AccumulatorModel
+from ._requests import Batch, Call, Command, Listen, Ops, Pop, Subscribe, Unsubscribe
+from ._stream import ClaimReader, Source
+
+logger = logging.getLogger("accumulator")
+
+#: Seconds between two looks at a take's ``cancel`` event while it waits.
+CANCEL_SLICE = 0.1
+
+_T = TypeVar("_T")
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A round a take claimed: the new global step, the round shape, the payload bytes it
+    holds, and a reader of its payloads (in apply order)."""
+
+    step: int
+    count: int
+    round_shape: tuple[int, ...] | None
+    nbytes: int
+    reader: ClaimReader
+
+
+def _parse_header(raw: bytes) -> tuple[int, int, int, tuple[int, ...] | None]:
+    """(step, count, bytes, round shape) of a claim header ``"<step> <count> <bytes> <gen>
+    <0|1> <shape>"``."""
+    parts = raw.decode().split(" ", 5)
+    if len(parts) != 6:
+        raise AccumulatorError(f"unreadable claim header {raw[:100]!r}")
+    shape = parse_shape_token(parts[5]) if parts[4] == "1" else None
+    return int(parts[0]), int(parts[1]), int(parts[2]), shape
+
+
+def leave_call(keys: Keys, taker: str) -> Call:
+    """The ``lua/leave.lua`` call for one taker: withdraw it from the FIFO and give back a
+    round it claimed. Its reply: 0 (it held no claim), 1 (given back) or -1 (the accumulator
+    moved on: the round is handed to the next take instead)."""
+    return Call(
+        "leave", "leave",
+        [keys.state, keys.takers, keys.taker_info, keys.wake, keys.queue_wake,
+         keys.claim(taker), keys.grads, keys.claims],
+        [taker, SCHEMA_VERSION], commit=True,
+    )  # fmt: skip
+
+
+# -- apply ------------------------------------------------------------------------------------
+
+
+def apply(
+    acc: AccumulatorModel, arr: np.ndarray, shape_token: str, local_step: int,
+    first_error: str = "",
+) -> Ops[tuple[int, Any]]:  # fmt: skip
+    """Send one payload; returns (code, detail): 1 accepted, 0 stale, -1 round-shape
+    mismatch (detail = the round's shape token), -2 ``first_error`` applied because the
+    gradient would have opened the round."""
+    acc._check_open()
+    payload = to_payload(arr)
+    nbytes = payload.nbytes
+    if nbytes > _model.MAX_PAYLOAD_BYTES:
+        raise InvalidArgumentError(
+            f"gradient of {nbytes} bytes exceeds the {_model.MAX_PAYLOAD_BYTES} byte limit of "
+            "one payload; split the parameter into several accumulators"
+        )
+    ident = acc._identities.acquire()
+    try:
+        reply, blob, inline = yield from _send(acc, payload, shape_token, local_step,
+                                               first_error, ident.client_id, ident.seq)  # fmt: skip
+    finally:
+        acc._identities.release(ident)
+    code = int(reply[0])
+    # parts left to fold into the sum in Redis; a retry's answer does not say: look
+    if code == 1 and not inline and acc._sum_dtype and (
+        len(reply) > 4 and int(reply[4]) or int(reply[3])
+    ):
+        yield from fold(acc, blob)
+    if code == -3:
+        raise ResourceExhaustedError(
+            f"accumulator {acc._shared_name!r}: a gradient of {nbytes} bytes would take "
+            f"the pending round past its max_pending_bytes={int(reply[4])}; nothing was "
+            "applied (take the round, or open the accumulator with a larger limit)"
+        )
+    if code < 0:
+        return code, reply[4]
+    if code == 0:
+        logger.debug(
+            "dropped stale gradient for %r: local_step %d < global_step %d",
+            acc._shared_name, local_step, int(reply[1]),
+        )  # fmt: skip
+    return code, None
+
+
+def _send(
+    acc: AccumulatorModel, payload: memoryview, shape_token: str, local_step: int,
+    first_error: str, cid: str, seq: int,
+) -> Ops[tuple[Any, str, bool]]:  # fmt: skip
+    """The apply's pipeline: (script reply, payload key, inline). Every attempt sends the same
+    (client id, seq): the script answers a retry of an apply it already counted without
+    counting it again."""
+    nbytes = payload.nbytes
+    k = acc._keys
+    blob = k.blob(cid, seq)
+    keys = [k.state, k.grads, k.dedup(cid), k.takers, k.taker_info, k.wake, blob]
+    inline = nbytes <= _model.INLINE_MAX_BYTES
+    args = [SCHEMA_VERSION, seq, local_step, shape_token, "i" if inline else "p",
+            b"i" + payload if inline else b"", nbytes, _model.DEDUP_TTL_MS,
+            first_error]  # fmt: skip
+    if inline:
+        return (yield Call("apply_grad", "apply", keys, args, commit=True)), blob, True
+    # The parts, each one chunk, straight from the caller's buffer (memoryview slices: no
+    # copy). NX: a retry must not re-arm the orphan expiry of a payload already accepted.
+    commands: list[tuple[Any, ...]] = [
+        ("SET", k.part(blob, i), payload[start:stop], "NX", "PX", _model.ORPHAN_TTL_MS)
+        for i, (start, stop) in enumerate(_chunks.part_ranges(nbytes))
+    ]
+    commands.append(tuple(_scripts.evalsha_args("apply", keys, args)))
+    replies = yield Batch("apply_grad", commands, raise_on_error=False, commit=True)
+    for result in replies:  # a part's refusal (OOM, ACL) explains best
+        if isinstance(result, ResponseError):
+            raise _scripts.translate(result)
+        if isinstance(result, Exception):
+            raise result
+    return replies[-1], blob, False
+
+
+def fold(acc: AccumulatorModel, blob: str) -> Ops[None]:
+    """Add the rest of an accepted gradient into the round's sum in Redis, a few parts per
+    script (lua/fold.lua), so that other clients are served in between. The apply is
+    already counted: a failure here is logged, not raised (the taker reads the parts
+    not folded in yet), and a retried call folds nothing twice."""
+    call = Call("apply_grad (folding)", "fold", [acc._keys.state, acc._keys.grads],
+                [SCHEMA_VERSION, blob, _chunks.FOLD_PARTS])  # fmt: skip
+    try:
+        while int((yield call)):
+            pass
+    except Exception:  # noqa: BLE001 - the gradient is applied; folding only saves memory
+        logger.warning(
+            "apply_grad on %r: the gradient is applied, but adding it into the sum kept in "
+            "Redis stopped; the taker reads the rest of it as it is",
+            acc._shared_name, exc_info=True,
+        )  # fmt: skip
+
+
+# -- take -------------------------------------------------------------------------------------
+
+
+def check_take_args(num_required: Any, timeout: Any) -> tuple[int, float | None]:
+    """``num_required`` and ``timeout`` checked as TF (and our documentation) say."""
+    n = scalar_int(num_required, "num_required")
+    if n < 1:
+        raise InvalidArgumentError(f"Argument num_required must be positive, but was {n}")
+    if n > 2**31 - 1:  # TF's num_required is an int32
+        raise InvalidArgumentError(f"num_required must fit in int32, got {n}")
+    if timeout is None:
+        return n, None
+    if (
+        isinstance(timeout, (bool, np.bool_))
+        or not isinstance(timeout, Real)
+        or (isinstance(timeout, np.generic) and timeout.dtype.kind not in "iuf")
+    ):
+        raise InvalidArgumentError(f"timeout must be a number of seconds or None, got {timeout!r}")
+    seconds = float(timeout)
+    if not 0 <= seconds < math.inf:
+        raise InvalidArgumentError(
+            f"timeout must be a finite number >= 0 or None, got {timeout!r}"
+        )
+    return n, seconds
+
+
+def take(
+    acc: AccumulatorModel,
+    num_required: Any,
+    timeout: Any,
+    decode: Callable[[Claim], Ops[_T]],
+    cancel: threading.Event | None = None,
+) -> Ops[_T]:
+    """Wait for and claim a round, then read it and ``decode`` it. If anything fails
+    after the claim (reading, decoding, reducing, an interrupt, ``cancel`` set), the round
+    is given back: a take that raises leaves the step as it was."""
+    acc._check_open()
+    if cancel is not None and not callable(getattr(cancel, "is_set", None)):
+        raise InvalidArgumentError(
+            f"cancel must be a threading.Event (or None), not {type(cancel).__name__}"
+        )
+    n, seconds = check_take_args(num_required, timeout)
+    k = acc._keys
+    taker = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    claim_key = k.claim(taker)
+    lease_ms = int(acc.taker_lease * 1000)
+    take_call = Call("take_grad", "take", *take_script_args(acc, taker, n, lease_ms))
+    deadline = None if seconds is None else time.monotonic() + seconds
+    queue: Any = None  # a subscription, while queued behind another taker
+    try:
+        while True:
+            if acc._closed:  # closed by another thread: never claim after close()
+                raise CancelledError("the accumulator was closed while waiting")
+            if cancel is not None and cancel.is_set():
+                raise CancelledError("take_grad was cancelled (its cancel event is set)")
+            reply = yield take_call
+            if len(reply) > 2 and int(reply[2] or 0):
+                logger.warning(
+                    "take_grad on %r quarantined %d corrupt gradient entries (foreign key "
+                    "names, missing or resized payloads); see `accumulator show`",
+                    acc._shared_name, int(reply[2]),
+                )  # fmt: skip
+            if int(reply[0]) == 1:
+                entries = reply[1]
+                if len(reply) > 3 and int(reply[3] or 0):
+                    step, count, _, _ = _parse_header(entries[0])
+                    logger.warning(
+                        "take_grad on %r took over a round claimed by a taker that is "
+                        "gone (its claim lease ran out): step %d, %d gradients",
+                        acc._shared_name, step, count,
+                    )  # fmt: skip
+                break
+            wait = acc.wait_slice if cancel is None else min(acc.wait_slice, CANCEL_SLICE)
+            if deadline is not None:
+                wait = min(wait, deadline - time.monotonic())
+                if wait <= 0:
+                    message = yield from _timeout_message(acc, n, seconds or 0.0)
+                    raise DeadlineExceededError(message)
+            # Wake-ups are hints: the take script re-checks after every one.
+            if int(reply[1]) == 1:
+                # At the head: one persistent token on a list, pushed by the apply that
+                # makes the round big enough (only the head consumes it).
+                if queue is not None:
+                    yield Unsubscribe(queue)
+                    queue = None
+                yield Pop(k.wake, max(wait, 0.001))
+            elif queue is None:
+                # Queued: a head change is broadcast. Subscribe, then re-check at once,
+                # so that a change between the check and the subscription is not missed.
+                queue = yield Subscribe(k.queue_wake)
+            elif not (yield Listen(queue, max(wait, 0.001))):
+                yield Unsubscribe(queue)
+                queue = None
+        claim = read_claim(acc, entries, claim_key)
+        try:
+            result = yield from decode(claim)  # reads the payloads as it goes
+        except AccumulatorError as exc:
+            if (yield Command("take_grad", ("EXISTS", claim_key))):
+                raise
+            raise AccumulatorError(_taken_over_message(acc)) from exc
+        if cancel is not None and cancel.is_set():  # the last moment to give it back
+            raise CancelledError("take_grad was cancelled (its cancel event is set)")
+        yield from _finish(acc, taker, claim_key, claim.reader.keys)
+    except BaseException:
+        # Not claimed: withdraw from the FIFO. Claimed (or unsure: a lost reply), the
+        # script gives the round back as it was.
+        yield from _leave(acc, taker, claim_key)
+        raise
+    finally:
+        if queue is not None:
+            yield Unsubscribe(queue)
+    return result
+
+
+def _finish(acc: AccumulatorModel, taker: str, claim_key: str, blob_keys: list[bytes]) -> Ops[None]:
+    """The round is read and reduced: release its lease and free its keys. Raises when
+    the lease had run out and another taker took the round over (the caller must not
+    return it then: it would be counted twice)."""
+    k = acc._keys
+    keys: list[str | bytes] = [k.state, claim_key, k.claims, k.finished, *blob_keys]
+    ours = yield Call("take_grad (finishing)", "finish", keys, [taker], commit=True)
+    if not int(ours):
+        raise AccumulatorError(_taken_over_message(acc))
+
+
+def _leave(acc: AccumulatorModel, taker: str, claim_key: str) -> Ops[None]:
+    try:
+        outcome = int((yield leave_call(acc._keys, taker)))
+    except Exception:  # noqa: BLE001 - the lease expires on its own if Redis is unreachable
+        logger.warning("could not withdraw taker %s from %s", taker, acc._keys.base,
+                       exc_info=True)  # fmt: skip
+        return
+    if outcome == 1:
+        logger.info("an interrupted take of %r gave its claimed round back", acc._shared_name)
+    elif outcome < 0:
+        logger.error(
+            "an interrupted take of %r had claimed a round that cannot be given back (the "
+            "accumulator changed since); its gradients are kept in Redis under %s",
+            acc._shared_name, claim_key,
+        )  # fmt: skip
+
+
+def _taken_over_message(acc: AccumulatorModel) -> str:
+    return (
+        f"take_grad on {acc._shared_name!r} read its round after its claim lease ran "
+        "out, and another taker took the round over; this take returns nothing"
+    )
+
+
+def _timeout_message(acc: AccumulatorModel, n: int, timeout: float) -> Ops[str]:
+    """TF's text, then what was there: which accumulator, how many of how many, when."""
+    where = repr(acc._shared_name)
+    if acc._container:
+        where += f" in container {acc._container!r}"
+    try:
+        count, step = yield Command("take_grad", ("HMGET", acc._keys.state, "count", "step"))
+        have = f"{int(count or 0)} of {n} gradients at global step {int(step or 0)}"
+    except Exception:  # noqa: BLE001 - the message must not fail
+        have = f"fewer than {n} gradients"
+    return (
+        f"Timed out waiting for notification: take_grad({n}) on accumulator {where} had "
+        f"{have} after {timeout:g}s"
+    )
+
+
+def take_script_args(
+    acc: AccumulatorModel, taker: str, n: int, lease_ms: int
+) -> tuple[list[Any], list[Any]]:
+    """KEYS and ARGV of the take script (see lua/take.lua)."""
+    k = acc._keys
+    keys = [k.state, k.grads, k.takers, k.taker_info, k.claim(taker), k.wake, k.queue_wake,
+            k.quarantine, k.claims]  # fmt: skip
+    claim_ms = _model.CLAIM_LEASE_MS if acc.claim_lease is None else int(acc.claim_lease * 1000)
+    args = [SCHEMA_VERSION, taker, n, lease_ms, "s" if acc._kind == "sparse" else "d",
+            acc.dtype.itemsize, claim_ms, _model.CLAIM_LEASE_MS_PER_MIB]  # fmt: skip
+    return keys, args
+
+
+def read_claim(acc: AccumulatorModel, entries: list[bytes], claim_key: str) -> Claim:
+    """The claimed round (its payloads are read on demand, in chunks)."""
+    step, count, nbytes, round_shape = _parse_header(entries[0])
+    sources: list[Source] = []
+    for entry in entries[1:]:
+        keys = acc._keys.entry_keys(entry)
+        if keys is None:  # the take script checked every entry: this is not ours to follow
+            raise AccumulatorError(f"corrupt entry in claim {claim_key}: {entry[:100]!r}")
+        if entry[:1] == b"i":
+            sources.append(entry[1:])
+        else:  # a gradient being folded into the sum holds its parts from k on
+            sources.append([None] * acc._keys.entry_first_part(entry) + list(keys))
+    # count (the header's) is the number of gradients: a sum kept in Redis holds several
+    return Claim(step, count, round_shape, nbytes, ClaimReader(sources, claim_key))

@@ -1,0 +1,101 @@
+"""The I/O vocabulary of the accumulator protocol (sans-I/O, in the manner of h11).
+
+The apply, take, fold and open protocols are written once, as generators that ``yield`` one
+of these requests and get its reply back (``reply = yield Call(...)``); they decide, the
+drivers do the I/O. The synchronous driver is :class:`accumulator.AccumulatorBase`, the
+asyncio one ``accumulator.aio``. A driver throws a failed request's exception into the
+generator, so the protocol's own ``try``/``except`` (give a claimed round back, ...) runs on
+either. ``Call``, ``Command`` and ``Batch`` are retried by the driver through transient
+Redis faults for the accumulator's retry window (``what`` names the operation in the error);
+each is idempotent by construction, so a re-sent one counts once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeAlias, TypeVar
+
+
+@dataclass(frozen=True)
+class Call:
+    """Run a script of ``lua/`` (``_scripts.call``: NOSCRIPT handled, ``ACCERR`` replies
+    raised as our errors). ``commit``: the script commits a take or an apply; an asyncio
+    task cancelled while it runs lets it finish (its outcome must not be lost)."""
+
+    what: str
+    name: str
+    keys: Sequence[str | bytes]
+    args: Sequence[Any]
+    commit: bool = False
+
+
+@dataclass(frozen=True)
+class Command:
+    """One Redis command (``args`` as for ``execute_command``); its raw reply."""
+
+    what: str
+    args: tuple[Any, ...]
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Commands in one pipeline (no transaction), retried as a whole; the list of replies.
+    ``raise_on_error=False``: error replies come back as exception objects in the list. A
+    script the server does not know (NOSCRIPT, after a restart) is loaded and the batch sent
+    again, so a batch may re-send only idempotent commands."""
+
+    what: str
+    commands: Sequence[tuple[Any, ...]]
+    raise_on_error: bool = True
+    commit: bool = False
+
+
+@dataclass(frozen=True)
+class Receive:
+    """GET ``keys`` straight into the writable views ``outs`` (no copy). The reply: a flag per
+    key (found at exactly its view's length), or ``None`` when the driver cannot receive in
+    place (the protocol then sends a :class:`Batch`)."""
+
+    what: str
+    keys: Sequence[str | bytes]
+    outs: Sequence[memoryview]
+
+
+@dataclass(frozen=True)
+class Pop:
+    """Wait up to ``timeout`` seconds on a wake list (BLPOP). ``True``, or ``False`` when the
+    wait's connection failed (the protocol re-checks; the driver paused briefly first). The
+    driver raises ``CancelledError`` when the accumulator was closed meanwhile."""
+
+    key: str
+    timeout: float
+
+
+@dataclass(frozen=True)
+class Subscribe:
+    """Subscribe to a channel: a handle for :class:`Listen`, or ``None`` when it failed."""
+
+    channel: str
+
+
+@dataclass(frozen=True)
+class Listen:
+    """Wait up to ``timeout`` seconds for a message on a subscription: ``False`` when its
+    connection failed (the subscription is then dropped by the protocol)."""
+
+    handle: Any
+    timeout: float
+
+
+@dataclass(frozen=True)
+class Unsubscribe:
+    """Close a subscription (never fails)."""
+
+    handle: Any
+
+
+Request: TypeAlias = Call | Command | Batch | Receive | Pop | Subscribe | Listen | Unsubscribe
+_R = TypeVar("_R")
+#: A protocol step: a generator of requests that returns an ``_R``.
+Ops: TypeAlias = Generator[Request, Any, _R]
