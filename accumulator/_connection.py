@@ -173,8 +173,8 @@ def _check_client(client: object) -> None:
     ):
         raise TypeError(
             f"{type(client).__module__}.{type(client).__name__} is an asyncio client; "
-            "redis-accumulator's classes are synchronous: pass a redis.Redis or valkey.Valkey "
-            "client or a URL (run them in a thread from async code, e.g. asyncio.to_thread)"
+            "accumulator's classes are synchronous: use accumulator.aio's twins with it, or pass "
+            "a redis.Redis or valkey.Valkey client or a URL"
         )
     if "cluster" in module.lower() or hasattr(client, "nodes_manager"):
         raise TypeError(
@@ -194,15 +194,16 @@ _VALKEY_CONNECTIONS: dict[str, Any] = {
 }
 
 
-def _from_valkey(client: Any) -> redis.Redis:
-    """A redis-py client to the server a ``valkey.Valkey`` client talks to, with its settings
-    (valkey-py is a fork of redis-py: same connection arguments, other classes)."""
+def twin_client(client: Any) -> redis.Redis:
+    """A redis-py client to the server that a ``valkey.Valkey`` or a ``redis.asyncio.Redis``
+    client talks to, with its settings (valkey-py is a fork of redis-py, and redis.asyncio
+    its asyncio twin: the same connection arguments, other classes)."""
     pool = client.connection_pool
     cls = _VALKEY_CONNECTIONS.get(pool.connection_class.__name__)
     if cls is None:
         raise TypeError(
-            f"valkey client with {pool.connection_class.__name__} connections is not "
-            "supported; pass a URL or a redis.Redis client"
+            f"{type(client).__name__} client with {pool.connection_class.__name__} "
+            "connections is not supported; pass a URL or a redis.Redis client"
         )
     accepted: set[str] = set()
     for kind in (cls, redis.Connection, AbstractConnection):  # each passes the rest on
@@ -278,7 +279,7 @@ def _new(client: Any) -> tuple[redis.Redis, redis.Redis]:
     elif isinstance(client, redis.Redis):
         base, owned = client, False
     else:
-        base, owned = _from_valkey(client), True
+        base, owned = twin_client(client), True
     pool = base.connection_pool
     timeout = pool.connection_kwargs.get("socket_timeout") or SOCKET_TIMEOUT
     commands = _derive(pool, limit=True, command_packer=_PACKER, decode_responses=False,

@@ -8,11 +8,13 @@ import inspect
 import pytest
 
 import accumulator
+import accumulator.aio
 import accumulator.raw_ops
 import accumulator.sync
 import accumulator.testing
 
-MODULES = [accumulator, accumulator.sync, accumulator.testing, accumulator.raw_ops]
+MODULES = [accumulator, accumulator.aio, accumulator.sync, accumulator.testing,
+           accumulator.raw_ops]  # fmt: skip
 
 
 def _public_members() -> list[tuple[str, object]]:
@@ -26,16 +28,21 @@ def _public_members() -> list[tuple[str, object]]:
             where = f"{module.__name__}.{name}"
             if inspect.isclass(obj) or inspect.isfunction(obj):
                 out.append((where, obj))
-            if inspect.isclass(obj) and obj.__module__.startswith("accumulator"):
-                for attr, value in vars(obj).items():
-                    if attr.startswith("_"):
-                        continue
-                    if isinstance(value, property):
-                        out.append((f"{where}.{attr}", value.fget))
-                    elif isinstance(value, (staticmethod, classmethod)):
-                        out.append((f"{where}.{attr}", value.__func__))
-                    elif inspect.isfunction(value):
-                        out.append((f"{where}.{attr}", value))
+            if not (inspect.isclass(obj) and obj.__module__.startswith("accumulator")):
+                continue
+            seen: set[str] = set()
+            # what the class defines and what it inherits from our own (private) bases
+            own = [c for c in obj.__mro__ if c.__module__.startswith("accumulator")]
+            for attr, value in (item for c in own for item in vars(c).items()):
+                if attr.startswith("_") or attr in seen:
+                    continue
+                seen.add(attr)
+                if isinstance(value, property):
+                    out.append((f"{where}.{attr}", value.fget))
+                elif isinstance(value, (staticmethod, classmethod)):
+                    out.append((f"{where}.{attr}", value.__func__))
+                elif inspect.isfunction(value):
+                    out.append((f"{where}.{attr}", value))
     return out
 
 

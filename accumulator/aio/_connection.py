@@ -1,0 +1,137 @@
+"""redis.asyncio connections of the asyncio accumulators: like the synchronous ones
+(``accumulator._connection``), a pool for commands and one for blocking waits, shared by every
+accumulator opened from one client object or URL string, with explicit timeouts and retries."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialWithJitterBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from .._connection import CONNECT_TIMEOUT, SOCKET_TIMEOUT, WAIT_SLICE, default_url
+
+
+@dataclass
+class AsyncConnections:
+    """The two clients of one asyncio accumulator (a share of them: see :func:`connect`)."""
+
+    commands: aioredis.Redis
+    blocking: aioredis.Redis  # BLPOP waits and subscriptions only: never capped
+    _key: object = None
+    _released: bool = False
+
+    async def close(self) -> None:
+        """Release this share (once); the pools close with the last share."""
+        with _LOCK:
+            if self._released:
+                return
+            self._released = True
+            entry = _SHARED.get(self._key)
+            if entry is not None and entry.commands is self.commands:
+                entry.users -= 1
+                if entry.users > 0:
+                    return
+                del _SHARED[self._key]
+        for client in (self.blocking, self.commands):
+            await client.aclose()
+            await client.connection_pool.disconnect()
+
+
+@dataclass
+class _Entry:
+    commands: aioredis.Redis
+    blocking: aioredis.Redis
+    users: int
+    origin: object
+    loop: asyncio.AbstractEventLoop
+
+
+#: Shared clients, keyed like the synchronous ones, per event loop (a redis.asyncio
+#: connection belongs to the loop that opened it).
+_SHARED: dict[object, _Entry] = {}
+_LOCK = threading.Lock()
+
+
+def _retry() -> Retry:
+    return Retry(ExponentialWithJitterBackoff(base=0.05, cap=1.0), retries=3)
+
+
+def _check_client(client: object) -> None:
+    if isinstance(client, redis.Redis) or hasattr(client, "nodes_manager"):
+        raise TypeError(
+            f"{type(client).__module__}.{type(client).__name__} is a synchronous (or cluster) "
+            "client; accumulator.aio's classes take a redis.asyncio.Redis client or a URL "
+            "(accumulator.ConditionalAccumulator takes a redis.Redis)"
+        )
+    raise TypeError(
+        f"client must be a redis.asyncio.Redis, a URL or None, not {type(client).__name__}"
+    )
+
+
+def _derive(pool: Any, *, limit: bool, socket_timeout: float) -> aioredis.Redis:
+    """A client like the one given (same server, credentials, connection class and, with
+    ``limit``, pool class and size), replying bytes, with our timeouts."""
+    kwargs = dict(pool.connection_kwargs)
+    kwargs.update(decode_responses=False, socket_timeout=socket_timeout)
+    size: dict[str, Any] = {}
+    if limit:
+        most = getattr(pool, "max_connections", None)
+        if isinstance(most, int) and most < 2**31:
+            size["max_connections"] = most
+        if isinstance(pool, aioredis.BlockingConnectionPool):
+            size["timeout"] = pool.timeout
+    pool_class = type(pool) if limit else aioredis.ConnectionPool
+    new_pool = pool_class(connection_class=pool.connection_class, **size, **kwargs)
+    return aioredis.Redis(connection_pool=new_pool)
+
+
+def _url_client(url: str) -> aioredis.Redis:
+    tcp = not url.startswith("unix:")
+    return aioredis.Redis.from_url(
+        url,
+        socket_timeout=SOCKET_TIMEOUT,
+        socket_connect_timeout=CONNECT_TIMEOUT,
+        **({"socket_keepalive": True} if tcp else {}),
+        retry=_retry(),
+        retry_on_error=[RedisConnectionError, RedisTimeoutError],
+        health_check_interval=30,
+    )
+
+
+def connect(client: aioredis.Redis | str | None) -> AsyncConnections:
+    """The clients for a URL, for a ``redis.asyncio.Redis`` (its settings are kept), or for
+    the default URL (``ACCUMULATOR_REDIS_URL``, ``REDIS_URL``, ``redis://localhost``). No I/O:
+    the pools connect on first use. Call from the event loop that will use them."""
+    if client is None:
+        client = default_url()
+    if isinstance(client, str):
+        key: object = ("url", hashlib.sha256(client.encode()).hexdigest())
+    elif isinstance(client, aioredis.Redis):
+        key = ("pool", id(client.connection_pool))
+    else:
+        _check_client(client)
+        raise AssertionError  # _check_client raised
+    loop = asyncio.get_running_loop()
+    key = (key, id(loop))
+    origin: object = None if isinstance(client, str) else client.connection_pool
+    with _LOCK:
+        entry = _SHARED.get(key)
+        if entry is not None and entry.origin is origin and entry.loop is loop:
+            entry.users += 1
+            return AsyncConnections(entry.commands, entry.blocking, key)
+        base = _url_client(client) if isinstance(client, str) else client
+        pool = base.connection_pool
+        timeout = pool.connection_kwargs.get("socket_timeout") or SOCKET_TIMEOUT
+        commands = _derive(pool, limit=True, socket_timeout=timeout)
+        blocking = _derive(pool, limit=False, socket_timeout=WAIT_SLICE + max(5.0, timeout))
+        _SHARED[key] = _Entry(commands, blocking, 1, origin, loop)
+        return AsyncConnections(commands, blocking, key)

@@ -1,0 +1,350 @@
+"""The asyncio driver: runs the same protocol as the synchronous classes (``_model``,
+``_protocol``: generators of ``_requests``) over ``redis.asyncio``."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from types import TracebackType
+from typing import Any, TypeVar
+
+import redis
+import redis.asyncio as aioredis
+from redis.exceptions import NoScriptError
+
+from .. import _retry, _scripts
+from .._errors import CancelledError
+from .._model import AccumulatorModel
+from .._requests import (
+    Batch,
+    Call,
+    Command,
+    Listen,
+    Ops,
+    Pop,
+    Receive,
+    Request,
+    Subscribe,
+    Unsubscribe,
+)
+from ._connection import AsyncConnections, connect
+
+logger = logging.getLogger("accumulator")
+
+_A = TypeVar("_A", bound="AccumulatorBase")
+_T = TypeVar("_T")
+
+
+async def _complete(work: Awaitable[_T]) -> tuple[_T, bool]:
+    """``await work``, which a cancellation of the calling task does not interrupt: a commit
+    (an apply, a take's finish) in flight completes, and its outcome is kept. Returns the
+    outcome and whether a cancel arrived meanwhile (the caller delivers it later)."""
+    task = asyncio.ensure_future(work)
+    absorbed = False
+    while True:
+        try:
+            return await asyncio.shield(task), absorbed
+        except asyncio.CancelledError:
+            if task.cancelled():  # the work itself was cancelled (the loop is closing)
+                raise
+            absorbed = True
+            logger.debug("a cancel arrived while a commit was in flight: it completes first")
+
+
+def _rearm(task: asyncio.Task[Any] | None) -> None:
+    """Deliver a cancel that was held back again, at the caller's next await (without
+    counting it twice, for ``asyncio.timeout`` and task groups)."""
+    if task is None:
+        return
+    uncancel = getattr(task, "uncancel", None)
+    if callable(uncancel):
+        uncancel()
+    task.cancel()
+
+
+def _cancelling(task: asyncio.Task[Any] | None) -> int:
+    """How many cancels of ``task`` are pending or were delivered (Python 3.11+; 0 before)."""
+    count = getattr(task, "cancelling", None)
+    return int(count()) if callable(count) else 0
+
+
+class AccumulatorBase(AccumulatorModel):
+    """Common state and operations of ``accumulator.aio``'s accumulators (for ``isinstance``);
+    not instantiated directly."""
+
+    def __init__(
+        self,
+        dtype: Any,
+        shape: Any,
+        shared_name: str | None,
+        name: str | None,
+        reduction_type: str,
+        *,
+        client: aioredis.Redis | str | None = None,
+        container: str = "",
+        max_pending_bytes: int | None = None,
+        sum_in_redis: bool | None = None,
+    ) -> None:
+        self._setup(dtype, shape, shared_name, name, reduction_type, container,
+                    max_pending_bytes, sum_in_redis)  # fmt: skip
+        if not (client is None or isinstance(client, (str, aioredis.Redis))):
+            from ._connection import _check_client
+
+            _check_client(client)
+        self._client = client
+        self._conns: AsyncConnections | None = None
+        self._opening: asyncio.Lock | None = None
+        self._waits: set[Any] = set()
+
+    @property
+    def redis(self) -> aioredis.Redis:
+        """The client this accumulator sends its commands through (once opened)."""
+        if self._conns is None:
+            raise CancelledError("the accumulator is not open: await it or use `async with`")
+        return self._conns.commands
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    async def open(self: _A) -> _A:
+        """Connect, and create the accumulator in Redis or check the stored one (done by the
+        first operation otherwise); returns the accumulator."""
+        self._check_open()
+        if self._conns is not None:
+            return self
+        if self._opening is None:
+            self._opening = asyncio.Lock()
+        async with self._opening:
+            if self._conns is None:
+                conns = connect(self._client)
+                try:
+                    pool = conns.commands.connection_pool.connection_kwargs
+                    where = (pool.get("host"), pool.get("port"), pool.get("path"), pool.get("db"))
+                    await self._drive(conns, self._open_ops(where))
+                except BaseException:
+                    await conns.close()
+                    raise
+                self._conns = conns
+        return self
+
+    def __await__(self: _A) -> Any:
+        return self.open().__await__()
+
+    async def aclose(self) -> None:
+        """Release connections; a private accumulator's keys are deleted. A take waiting in
+        another task raises :class:`CancelledError`."""
+        self._closed = True
+        conns, self._conns = self._conns, None
+        if conns is None:
+            return
+        for wait in list(self._waits):
+            try:
+                if isinstance(wait, aioredis.client.PubSub):
+                    await wait.aclose()
+                else:
+                    await wait.disconnect()
+            except Exception:  # noqa: BLE001 - best effort: the waiter sees the closed flag
+                logger.debug("could not cut a wait of %s", self._keys.base, exc_info=True)
+        try:
+            if self._private:
+                names = [k async for k in conns.commands.scan_iter(match=self._keys.pattern,
+                                                                    count=1000)]  # fmt: skip
+                if names:
+                    await conns.commands.unlink(*names)
+        except Exception:  # noqa: BLE001 - best effort at close time (the keys expire)
+            logger.debug("could not delete private accumulator %s", self._keys.base,
+                         exc_info=True)  # fmt: skip
+        finally:
+            await conns.close()
+
+    async def close(self) -> None:
+        """The same as :meth:`aclose`."""
+        await self.aclose()
+
+    async def __aenter__(self: _A) -> _A:
+        return await self.open()
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    # -- simple state -------------------------------------------------------------------------
+
+    async def num_accumulated(self, name: str | None = None) -> int:
+        """Number of gradients accepted since the last successful take."""
+        return await self._run(self._count_ops())
+
+    async def global_step(self) -> int:
+        """The accumulator's current global step (TF has no way to read it)."""
+        return await self._run(self._step_ops())
+
+    async def set_global_step(self, new_global_step: Any, name: str | None = None) -> None:
+        """Set the global step, also downwards (with a warning); never clears the round."""
+        await self._run(self._set_step_ops(new_global_step))
+
+    # -- the driver ---------------------------------------------------------------------------
+
+    async def _run(self, ops: Ops[_T]) -> _T:
+        """Open if needed, then run a protocol step to its end."""
+        self._check_open()
+        await self.open()
+        assert self._conns is not None
+        return await self._drive(self._conns, ops)
+
+    async def _drive(self, conns: AsyncConnections, ops: Ops[_T]) -> _T:
+        """Run a protocol step: each request is done here and its reply (or its exception)
+        handed back.
+
+        A cancel of the calling task is thrown into the protocol (which gives back what it
+        holds) at the latest before its next request, also one that library code swallowed
+        (redis-py's pipelines can). A commit in flight is never cut: a cancel arriving then
+        lets the operation complete; it then returns its result and the cancel lands at the
+        caller's next await (or, if the operation failed, it raises CancelledError)."""
+        task = asyncio.current_task()
+        seen = _cancelling(task)
+        held = False  # a cancel held back by a commit, to deliver at the end
+        reply: Any = None
+        error: BaseException | None = None
+        while True:
+            try:
+                request = ops.send(reply) if error is None else ops.throw(error)
+            except StopIteration as stop:
+                if held or _cancelling(task) > seen:
+                    _rearm(task)
+                return stop.value  # type: ignore[no-any-return]
+            except asyncio.CancelledError:
+                raise
+            except BaseException as exc:
+                if held or _cancelling(task) > seen:
+                    raise asyncio.CancelledError("cancelled while the operation ended") from exc
+                raise
+            reply, error = None, None
+            try:
+                commit = getattr(request, "commit", False)
+                if commit:
+                    await asyncio.sleep(0)  # a cancel already requested lands here
+                if _cancelling(task) > seen and not held:
+                    raise asyncio.CancelledError("cancelled during the previous request")
+                if commit:
+                    reply, absorbed = await _complete(self._do(conns, request))
+                    held = held or absorbed
+                else:
+                    reply = await self._do(conns, request)
+            except BaseException as exc:  # noqa: BLE001 - the protocol decides what to do
+                if isinstance(exc, asyncio.CancelledError):
+                    seen = _cancelling(task)
+                error = exc
+
+    async def _do(self, conns: AsyncConnections, request: Request) -> Any:
+        commands = conns.commands
+        if isinstance(request, Call):
+            name, keys, args = request.name, request.keys, request.args
+            return await self._io(request.what,
+                                  lambda: _scripts.acall(commands, name, keys, args))  # fmt: skip
+        if isinstance(request, Command):
+            return await self._io(request.what, lambda: commands.execute_command(*request.args))
+        if isinstance(request, Batch):
+            return await self._io(request.what, lambda: self._batch(commands, request))
+        if isinstance(request, Receive):
+            return None  # no zero-copy receive here: the protocol reads the ordinary way
+        if isinstance(request, Pop):
+            return await self._wait(lambda: self._blpop(conns.blocking, request.key,
+                                                        request.timeout))  # fmt: skip
+        if isinstance(request, Subscribe):
+            queue = conns.blocking.pubsub(ignore_subscribe_messages=True)
+            self._waits.add(queue)
+            if not await self._wait(lambda: queue.subscribe(request.channel)):
+                await self._drop_queue(queue)
+                return None
+            return queue
+        if isinstance(request, Listen):
+            handle, seconds = request.handle, request.timeout
+            return await self._wait(
+                lambda: handle.get_message(ignore_subscribe_messages=True, timeout=seconds)
+            )
+        if isinstance(request, Unsubscribe):
+            return await self._drop_queue(request.handle)
+        raise TypeError(f"unknown request {request!r}")
+
+    async def _batch(self, commands: aioredis.Redis, request: Batch) -> list[Any]:
+        async def send() -> list[Any]:
+            pipe = commands.pipeline(transaction=False)
+            for command in request.commands:
+                pipe.execute_command(*command)
+            return list(await pipe.execute(raise_on_error=request.raise_on_error))
+
+        try:
+            replies = await send()
+        except NoScriptError:
+            replies = [NoScriptError()]
+        if any(isinstance(r, NoScriptError) for r in replies):
+            pipe = commands.pipeline(transaction=False)
+            for command in _scripts.load_commands():
+                pipe.execute_command(*command)
+            _scripts.check_loaded(await pipe.execute(raise_on_error=False))
+            replies = await send()
+        return replies
+
+    async def _io(self, what: str, fn: Callable[[], Awaitable[_T]]) -> _T:
+        """``await fn()`` retried through transient Redis faults for :attr:`retry_window`."""
+        return await _retry.acall(
+            fn, f"{what} {self._shared_name!r}", window=self.retry_window,
+            give_up=lambda: self._closed,
+        )  # fmt: skip
+
+    async def _drop_queue(self, queue: Any) -> None:
+        self._waits.discard(queue)
+        try:
+            await queue.aclose()
+        except Exception:  # noqa: BLE001 - its connection may be gone already
+            logger.debug("closing a subscription of %s failed", self._keys.base, exc_info=True)
+
+    async def _blpop(self, blocking: aioredis.Redis, key: str, timeout: float) -> None:
+        """BLPOP on a connection this accumulator holds for the wait, so that ``aclose()``
+        from another task can break it."""
+        pool = blocking.connection_pool
+        try:
+            conn = await pool.get_connection()
+        except TypeError:  # redis-py before 5.3 wants the command name
+            conn = await pool.get_connection("BLPOP")
+        if type(conn).__module__.startswith("fakeredis"):
+            # the in-process double blocks in a helper task that a cut connection strands:
+            # poll instead (a wake token is popped the same way)
+            popped = None
+            try:
+                await conn.send_command("LPOP", key)
+                popped = [await conn.read_response()]
+            finally:
+                if popped is None:  # cut short: its reply may still come
+                    await conn.disconnect()
+                await pool.release(conn)
+            if popped[0] is None:
+                await asyncio.sleep(min(timeout, 0.05))
+            return
+        self._waits.add(conn)
+        done = False
+        try:
+            await conn.send_command("BLPOP", key, timeout)
+            await conn.read_response()
+            done = True
+        finally:
+            self._waits.discard(conn)
+            if not done:  # a reply may still be on its way: never reuse the connection
+                await conn.disconnect()
+            await pool.release(conn)
+
+    async def _wait(self, block: Callable[[], Awaitable[Any]]) -> bool:
+        """One bounded wait; False when its connection failed (the caller re-checks).
+        ``aclose()`` from another task breaks it (CancelledError)."""
+        try:
+            await block()
+            return True
+        except Exception as exc:
+            if self._closed:
+                raise CancelledError("the accumulator was closed while waiting") from None
+            if not isinstance(exc, (redis.ConnectionError, redis.TimeoutError, OSError)):
+                raise
+            logger.debug("wait on %s interrupted: %s", self._keys.base, exc)
+            await asyncio.sleep(0.05)  # a refused reconnect fails at once: do not spin
+            return False

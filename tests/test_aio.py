@@ -1,0 +1,357 @@
+"""accumulator.aio: the asyncio twins, on every backend (fakeredis's asyncio client, a real
+server, the server with our module). Same accumulators as the synchronous classes, exact
+cancellation, hundreds of tasks on one loop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import redis
+import redis.asyncio as aioredis
+
+import accumulator
+from accumulator import aio
+from accumulator._requests import Batch, Call
+
+LARGE = (300_000,)  # 1.2 MB of float32: parts, and folds on the module path
+
+
+def aclient(target: Any) -> aioredis.Redis | str:
+    """An asyncio handle on the target's data: fakeredis's twin, or the server's URL."""
+    if target.kind == "fake":
+        import fakeredis
+
+        return fakeredis.FakeAsyncRedis(server=target._fake_server)
+    return str(target.url)
+
+
+def run(coro_fn: Callable[[], Awaitable[Any]]) -> Any:
+    return asyncio.run(coro_fn())  # type: ignore[arg-type]
+
+
+def dense(target: Any, shape: Any = (3,), **kw: Any) -> aio.ConditionalAccumulator:
+    kw.setdefault("shared_name", "aio")
+    return aio.ConditionalAccumulator(np.float32, shape, client=aclient(target), **kw)
+
+
+@pytest.mark.parametrize("shape", [(3,), LARGE], ids=["inline", "parts"])
+def test_apply_and_take_give_what_the_sync_class_gives(target, shape):
+    grads = [np.random.default_rng(i).standard_normal(shape).astype(np.float32) for i in range(4)]
+
+    async def main() -> np.ndarray:
+        async with dense(target, shape) as acc:
+            assert await acc.apply_grad(grads[0]) is True
+            await asyncio.gather(*(acc.apply_grad(g) for g in grads[1:]))
+            assert await acc.num_accumulated() == 4
+            out = await acc.take_grad(4, timeout=10)
+            assert await acc.global_step() == 1
+            assert await acc.apply_grad(grads[0], local_step=0) is False  # stale
+            return out
+
+    got = run(main)
+    with accumulator.ConditionalAccumulator(np.float32, shape, shared_name="sync-twin",
+                                            client=target.client()) as ref:  # fmt: skip
+        for g in grads:
+            ref.apply_grad(g)
+        expected = ref.take_grad(4)
+    # the same sum, up to the order the concurrent applies arrived in
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_sync_and_an_async_object_share_one_accumulator(target):
+    async def main() -> None:
+        async with dense(target) as acc:
+            await acc.apply_grad([1.0, 2.0, 3.0])
+            with accumulator.ConditionalAccumulator(np.float32, (3,), shared_name="aio",
+                                                    client=target.client()) as sync:  # fmt: skip
+                sync.apply_grad([3.0, 2.0, 1.0])
+                assert await acc.num_accumulated() == 2
+                np.testing.assert_array_equal(sync.take_grad(2), [2.0, 2.0, 2.0])
+            assert await acc.global_step() == 1
+
+    run(main)
+
+
+def test_the_sparse_twin(target):
+    async def main() -> None:
+        acc = aio.SparseConditionalAccumulator(
+            np.float32, (10, 2), shared_name="sp", reduction_type="SUM", client=aclient(target)
+        )
+        try:
+            assert await acc.apply_grad([1, 3], np.ones((2, 2)))
+            await acc.apply_indexed_slices_grad(
+                accumulator.IndexedSlices(values=np.ones((1, 2)), indices=[3])
+            )
+            with pytest.raises(accumulator.InvalidArgumentError, match="index of slice 0"):
+                await acc.apply_grad([10], np.ones((1, 2)))
+            taken = await acc.take_indexed_slices_grad(2)
+            np.testing.assert_array_equal(taken.indices, [1, 3])
+            np.testing.assert_array_equal(taken.values, [[1, 1], [2, 2]])
+            assert await acc.apply_grad([1], np.ones((1, 2)), local_step=0) is False
+        finally:
+            await acc.aclose()
+
+    run(main)
+
+
+def test_bad_input_gets_the_sync_error_and_changes_nothing(target):
+    async def main() -> None:
+        async with dense(target) as acc:
+            with pytest.raises(accumulator.InvalidArgumentError, match="Shape mismatch"):
+                await acc.apply_grad(np.ones(4))
+            with pytest.raises(accumulator.InvalidArgumentError, match="num_required"):
+                await acc.take_grad(0)
+            assert await acc.num_accumulated() == 0
+            with pytest.raises(accumulator.InvalidArgumentError, match="already exists"):
+                await aio.ConditionalAccumulator(np.float64, (3,), shared_name="aio",
+                                                 client=aclient(target))  # fmt: skip
+
+    run(main)
+
+
+def test_a_timeout_consumes_nothing(target):
+    async def main() -> None:
+        async with dense(target) as acc:
+            await acc.apply_grad(np.ones(3))
+            with pytest.raises(accumulator.DeadlineExceededError, match="1 of 2 gradients"):
+                await acc.take_grad(2, timeout=0.2)
+            assert await acc.num_accumulated() == 1
+            r = acc.redis
+            assert await r.zcard(acc._keys.takers) == 0
+
+    run(main)
+
+
+def test_a_cancelled_waiting_take_withdraws_and_the_next_take_gets_the_round(target):
+    async def main() -> None:
+        async with dense(target) as acc:
+            acc.wait_slice = 0.2
+            waiting = asyncio.create_task(acc.take_grad(2))
+            await asyncio.sleep(0.3)
+            assert await acc.redis.zcard(acc._keys.takers) == 1  # it is queued
+            waiting.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await waiting
+            assert await acc.redis.zcard(acc._keys.takers) == 0
+            await acc.apply_grad(np.ones(3))
+            await acc.apply_grad(np.ones(3))
+            assert await acc.num_accumulated() == 2  # the cancelled take consumed nothing
+            np.testing.assert_array_equal(await acc.take_grad(2, timeout=5), np.ones(3))
+
+    run(main)
+
+
+def _cancel_at(acc: Any, match: Callable[[Any], bool], *, started: bool = False) -> None:
+    """Cancel the task running ``acc``'s protocol at a matching request: before it is sent,
+    or (``started``) once it is on its way."""
+    do = acc._do
+
+    def do_and_cancel(conns: Any, request: Any) -> Any:
+        caller = asyncio.current_task()  # the caller's: the request is not started yet
+        assert caller is not None
+        if not match(request):
+            return do(conns, request)
+        if not started:
+            caller.cancel()  # lands at the request's first await
+            return do(conns, request)
+
+        async def cancel_midway() -> Any:
+            work = asyncio.ensure_future(do(conns, request))
+            await asyncio.sleep(0)  # the request is being sent
+            caller.cancel()
+            return await work
+
+        return cancel_midway()
+
+    acc._do = do_and_cancel
+
+
+def test_a_take_cancelled_while_reading_its_round_gives_it_back(target):
+    async def main() -> None:
+        async with dense(target, LARGE) as acc:
+            for v in (1.0, 3.0):
+                await acc.apply_grad(np.full(LARGE, v, np.float32))
+            _cancel_at(acc, lambda r: isinstance(r, Batch) and "reading" in r.what)
+            with pytest.raises(asyncio.CancelledError):
+                await acc.take_grad(2)
+            del acc._do
+            assert (await acc.num_accumulated(), await acc.global_step()) == (2, 0)
+            np.testing.assert_array_equal(await acc.take_grad(2, timeout=5), np.full(LARGE, 2))
+
+    run(main)
+
+
+def test_a_cancel_during_the_final_commit_lets_the_take_complete(target):
+    async def main() -> None:
+        async with dense(target) as acc:
+            await acc.apply_grad(np.full(3, 4.0))
+            _cancel_at(acc, lambda r: isinstance(r, Call) and r.name == "finish", started=True)
+            got = None
+
+            async def take() -> None:
+                nonlocal got
+                got = await acc.take_grad(1)  # the round was read: the take keeps it
+                await asyncio.sleep(1)  # the cancel lands at the next await
+
+            task = asyncio.create_task(take())
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            np.testing.assert_array_equal(got, np.full(3, 4.0))
+            del acc._do
+            assert (await acc.num_accumulated(), await acc.global_step()) == (0, 1)
+
+    run(main)
+
+
+def test_a_cancel_while_an_apply_is_sent_lets_it_count_once(target):
+    async def main() -> None:
+        async with dense(target, LARGE) as acc:
+            _cancel_at(acc, lambda r: isinstance(r, Batch) and r.what == "apply_grad", started=True)
+            applied = []
+
+            async def apply() -> None:
+                applied.append(await acc.apply_grad(np.ones(LARGE)))
+                await asyncio.sleep(1)  # the cancel lands at the next await
+
+            with pytest.raises(asyncio.CancelledError):
+                await asyncio.create_task(apply())
+            assert applied == [True]
+            del acc._do
+            assert await acc.num_accumulated() == 1
+            np.testing.assert_array_equal(await acc.take_grad(1, timeout=5), np.ones(LARGE))
+
+    run(main)
+
+
+def test_hundreds_of_tasks_apply_and_take_with_exact_accounting(target):
+    """300 worker tasks and 6 takers on one loop, takers cancelled at random while they wait
+    or read. Each worker applies a one-hot gradient: the SUM of everything taken, plus what
+    is still pending, holds each accepted gradient exactly once and nothing else."""
+    workers = 300
+    rng = random.Random(7)
+
+    async def main() -> None:
+        async with aio.ConditionalAccumulator(np.int64, (workers,), shared_name="many",
+                                              reduction_type="SUM",
+                                              client=aclient(target)) as acc:  # fmt: skip
+            acc.wait_slice = 0.2
+            taken = np.zeros(workers, np.int64)
+            accepted = np.zeros(workers, np.int64)
+
+            async def worker(i: int) -> None:
+                await asyncio.sleep(rng.random() * 0.5)
+                step = await acc.global_step()
+                if await acc.apply_grad(np.eye(1, workers, i, np.int64)[0], local_step=step):
+                    accepted[i] += 1
+
+            async def taker() -> None:
+                while True:
+                    with contextlib.suppress(accumulator.DeadlineExceededError):
+                        taken[:] += await acc.take_grad(rng.randint(5, 20), timeout=1)
+
+            takers = [asyncio.create_task(taker()) for _ in range(6)]
+            started = list(takers)
+            applying = asyncio.gather(*(worker(i) for i in range(workers)))
+            while not applying.done():
+                await asyncio.sleep(0.03)
+                victim = rng.randrange(len(takers))
+                takers[victim].cancel()  # at whatever point it is
+                takers[victim] = asyncio.create_task(taker())
+                started.append(takers[victim])
+            await applying
+            for t in takers:
+                t.cancel()
+            # every taker ever started has ended (a cancelled one first gives back its round)
+            ends = await asyncio.gather(*started, return_exceptions=True)
+            assert all(isinstance(e, asyncio.CancelledError) for e in ends), ends
+            pending = await acc.num_accumulated()
+            if pending:
+                taken[:] += await acc.take_grad(pending, timeout=5)
+            assert accepted.sum() > workers // 2  # most were current
+            np.testing.assert_array_equal(taken, accepted)
+            assert await acc.redis.zcard(acc._keys.takers) == 0
+
+    run(main)
+
+
+def test_aclose_breaks_a_take_waiting_in_another_task(target):
+    async def main() -> None:
+        acc = dense(target)
+        await acc.open()
+        waiting = asyncio.create_task(acc.take_grad(1))
+        await asyncio.sleep(0.2)
+        await acc.aclose()
+        with pytest.raises(accumulator.CancelledError):
+            await asyncio.wait_for(waiting, 5)
+        with pytest.raises(accumulator.CancelledError):
+            await acc.num_accumulated()
+
+    run(main)
+
+
+def test_a_private_accumulator_is_deleted_by_aclose(target):
+    async def main() -> None:
+        async with aio.ConditionalAccumulator(np.float32, (2,), client=aclient(target)) as acc:
+            await acc.apply_grad([1.0, 2.0])
+            pattern = acc._keys.pattern
+            r = acc.redis
+            assert [k async for k in r.scan_iter(match=pattern)]
+        assert not [k async for k in r.scan_iter(match=pattern)]
+
+    run(main)
+
+
+def test_accumulators_of_one_client_share_its_pools(target):
+    async def main() -> None:
+        client = aclient(target)
+        a, b = dense(target), aio.ConditionalAccumulator(np.float32, (3,), shared_name="aio",
+                                                         client=client)  # fmt: skip
+        c = aio.ConditionalAccumulator(np.float32, (3,), shared_name="aio", client=client)
+        async with a, b, c:
+            assert b.redis is c.redis
+            assert a.redis is not b.redis or isinstance(client, str)
+
+    run(main)
+
+
+def test_clients_of_the_wrong_kind_are_refused_naming_the_right_class():
+    with pytest.raises(TypeError, match="redis.asyncio.Redis"):
+        aio.ConditionalAccumulator(np.float32, client=redis.Redis())  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="accumulator.aio"):
+        accumulator.ConditionalAccumulator(np.float32, client=aioredis.Redis())  # type: ignore[arg-type]
+
+
+def test_module_functions(real):
+    async def main() -> None:
+        async with aio.ConditionalAccumulator(np.float32, (1,), shared_name="f", container="c",
+                                              client=real.url) as acc:  # fmt: skip
+            await acc.apply_grad([1.0])
+        client = aioredis.Redis.from_url(real.url)
+        names = [info.shared_name for info in await aio.list_accumulators("c", client=client)]
+        assert names == ["f"]
+        assert await aio.reset_container("c", client=real.url) == 1
+        assert await aio.list_accumulators(client=real.url) == []
+        await client.aclose()
+
+    run(main)
+
+
+def test_a_wait_rides_out_killed_connections(real):
+    async def main() -> None:
+        async with aio.ConditionalAccumulator(np.float32, (1,), shared_name="k",
+                                              client=real.url) as acc:  # fmt: skip
+            acc.wait_slice = 0.3
+            waiting = asyncio.create_task(acc.take_grad(1))
+            await asyncio.sleep(0.3)
+            real.redis().client_kill_filter(_type="normal", skipme=True)
+            await asyncio.sleep(0.2)
+            await acc.apply_grad([5.0])
+            np.testing.assert_array_equal(await asyncio.wait_for(waiting, 10), [5.0])
+
+    run(main)
