@@ -60,6 +60,8 @@ NUM_GRADS = 4
 APPLY_TARGET = 1.3
 TAKE_TARGET = 1.3
 SPARSE_TARGET = 1.5
+#: accumulator.aio's round against the synchronous one's: our own bar (no issue sets one)
+AIO_TARGET = 1.5
 SPARSE_ROWS, SPARSE_COLS, SPARSE_GRAD_ROWS = 10_000, 64, 512
 DTYPE = np.float32
 TAKE_TIMEOUT = 60.0
@@ -348,6 +350,21 @@ class Bench:
                 {k: stats[k] for k in ("raw_take", "take")}),
         ]  # fmt: skip
 
+    # asyncio ----------------------------------------------------------------------------------
+
+    def bench_aio(self) -> list[Row]:
+        """accumulator.aio's round (4 applies, take(4)) against the synchronous classes'."""
+        from _aio_bench import measure
+
+        self.log("bench: asyncio twins against the synchronous classes")
+        rows = []
+        for label, nbytes, sync, asy in measure(self.url, SIZES, self.runs_for, self.rng):
+            stats = {"sync_round": Stat.of(sync), "aio_round": Stat.of(asy)}
+            rows.append(Row(f"aio round({NUM_GRADS})", label, nbytes, "the same, sync class",
+                            stats["sync_round"].median, stats["aio_round"].median, AIO_TARGET,
+                            stats))  # fmt: skip
+        return rows
+
     # sparse (hook) ----------------------------------------------------------------------------
 
     def bench_sparse(self) -> list[Row]:
@@ -565,6 +582,7 @@ def run(args: argparse.Namespace, url: str) -> tuple[list[Row], dict[str, Any]]:
             rows += bench.bench_dense(label, elements)
         sparse_rows = bench.bench_sparse()
         rows += sparse_rows
+        rows += bench.bench_aio()
     finally:
         bench.cleanup()
         bench.close()
