@@ -222,18 +222,22 @@ def _is_valkey(client: object) -> bool:
     return kind.__module__.split(".")[0] == "valkey" and kind.__name__ in ("Valkey", "StrictValkey")
 
 
-def _url_client(url: str) -> redis.Redis:
+def url_options(url: str) -> dict[str, Any]:
+    """The client settings of a URL's connections (the sync and asyncio clients add their
+    own ``retry``): timeouts, keepalive on TCP, retries on connection faults, health checks."""
     tcp = not url.startswith("unix:")
-    return redis.Redis.from_url(
-        url,
+    return dict(
         socket_timeout=SOCKET_TIMEOUT,
         socket_connect_timeout=CONNECT_TIMEOUT,
         # keepalive is a TCP option (a unix socket connection refuses the argument)
         **({"socket_keepalive": True} if tcp else {}),
-        retry=_retry(),
         retry_on_error=[RedisConnectionError, RedisTimeoutError],
         health_check_interval=30,
     )
+
+
+def _url_client(url: str) -> redis.Redis:
+    return redis.Redis.from_url(url, retry=_retry(), **url_options(url))
 
 
 def connect(client: redis.Redis | str | None) -> Connections:

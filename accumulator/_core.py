@@ -22,7 +22,7 @@ from . import _protocol, _retry, _scripts
 from ._connection import Connections, connect
 from ._errors import CancelledError
 from ._keys import Keys
-from ._model import AccumulatorModel
+from ._model import AccumulatorModel, server_of
 from ._requests import (
     Batch,
     Call,
@@ -34,6 +34,7 @@ from ._requests import (
     Request,
     Subscribe,
     Unsubscribe,
+    advance,
 )
 from ._wire import get_into
 
@@ -48,12 +49,6 @@ def leave(client: redis.Redis, keys: Keys, taker: str) -> int:
     claim), 1 (given back) or -1 (the accumulator moved on)."""
     call = _protocol.leave_call(keys, taker)
     return int(_scripts.call(client, call.name, call.keys, call.args))
-
-
-def server_of(client: redis.Redis) -> tuple[Any, ...]:
-    """(host, port, path, db) of a client's server: what a warning is given once for."""
-    kwargs = client.connection_pool.connection_kwargs
-    return (kwargs.get("host"), kwargs.get("port"), kwargs.get("path"), kwargs.get("db"))
 
 
 def _delete_keys(conns: Connections, keys: Keys) -> None:
@@ -152,10 +147,9 @@ class AccumulatorBase(AccumulatorModel):
         reply: Any = None
         error: BaseException | None = None
         while True:
-            try:
-                request = ops.send(reply) if error is None else ops.throw(error)
-            except StopIteration as stop:
-                return stop.value  # type: ignore[no-any-return]
+            done, request = advance(ops, reply, error)
+            if done:
+                return request  # type: ignore[no-any-return]
             reply, error = None, None
             try:
                 reply = self._do(request)

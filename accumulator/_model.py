@@ -65,6 +65,13 @@ _policy_checked: set[tuple[Any, ...]] = set()
 _REDUCTIONS = ("MEAN", "SUM")
 
 
+def server_of(client: Any) -> tuple[Any, ...]:
+    """(host, port, path, db) of a client's server (sync or asyncio): what a warning is given
+    once for."""
+    kwargs = client.connection_pool.connection_kwargs
+    return (kwargs.get("host"), kwargs.get("port"), kwargs.get("path"), kwargs.get("db"))
+
+
 def _check_name(value: Any, what: str) -> str:
     if not isinstance(value, str):
         raise TypeError(f"{what} must be a str, not {type(value).__name__}")

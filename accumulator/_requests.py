@@ -99,3 +99,15 @@ Request: TypeAlias = Call | Command | Batch | Receive | Pop | Subscribe | Listen
 _R = TypeVar("_R")
 #: A protocol step: a generator of requests that returns an ``_R``.
 Ops: TypeAlias = Generator[Request, Any, _R]
+
+
+def advance(
+    ops: Generator[Any, Any, Any], reply: Any, error: BaseException | None
+) -> tuple[bool, Any]:
+    """Hand a step its last request's reply (or throw that request's exception into it):
+    ``(True, result)`` when the step ended, else ``(False, next request)``. An exception the
+    step raises propagates."""
+    try:
+        return False, (ops.send(reply) if error is None else ops.throw(error))
+    except StopIteration as stop:
+        return True, stop.value

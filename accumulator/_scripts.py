@@ -28,6 +28,7 @@ from ._errors import (
     UnavailableError,
 )
 from ._keys import SCHEMA_VERSION
+from ._requests import advance
 
 logger = logging.getLogger("accumulator")
 
@@ -88,10 +89,9 @@ def call(client: redis.Redis, name: str, keys: Sequence[str | bytes], args: Sequ
     reply: Any = None
     error: BaseException | None = None
     while True:
-        try:
-            command = run.send(reply) if error is None else run.throw(error)
-        except StopIteration as stop:
-            return stop.value
+        done, command = advance(run, reply, error)
+        if done:
+            return command
         reply, error = None, None
         try:
             reply = client.execute_command(*command)
@@ -105,10 +105,9 @@ async def acall(client: Any, name: str, keys: Sequence[str | bytes], args: Seque
     reply: Any = None
     error: BaseException | None = None
     while True:
-        try:
-            command = run.send(reply) if error is None else run.throw(error)
-        except StopIteration as stop:
-            return stop.value
+        done, command = advance(run, reply, error)
+        if done:
+            return command
         reply, error = None, None
         try:
             reply = await client.execute_command(*command)

@@ -186,3 +186,21 @@ def entry_payload(r: Any, entry: bytes) -> bytes | None:
         return entry[1:]
     parts = [r.get(key) for key in entry_key_names(entry)]
     return None if any(p is None for p in parts) else b"".join(parts)
+
+
+def assert_not_imported_by_numpy_use(module: str) -> None:
+    """In a fresh interpreter, using an accumulator with numpy arrays only does not import
+    ``module`` (an optional framework: torch, jax)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, numpy as np, fakeredis, accumulator\n"
+        "acc = accumulator.ConditionalAccumulator(np.float32, (2,), shared_name='x',"
+        " client=fakeredis.FakeRedis())\n"
+        "acc.apply_grad(np.ones(2)); acc.take_grad(1)\n"
+        f"assert {module!r} not in sys.modules, '{module} was imported'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr

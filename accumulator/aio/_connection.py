@@ -14,10 +14,8 @@ import redis
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from .._connection import CONNECT_TIMEOUT, SOCKET_TIMEOUT, WAIT_SLICE, default_url
+from .._connection import SOCKET_TIMEOUT, WAIT_SLICE, default_url, url_options
 
 
 @dataclass
@@ -95,16 +93,7 @@ def _derive(pool: Any, *, limit: bool, socket_timeout: float) -> aioredis.Redis:
 
 
 def _url_client(url: str) -> aioredis.Redis:
-    tcp = not url.startswith("unix:")
-    return aioredis.Redis.from_url(
-        url,
-        socket_timeout=SOCKET_TIMEOUT,
-        socket_connect_timeout=CONNECT_TIMEOUT,
-        **({"socket_keepalive": True} if tcp else {}),
-        retry=_retry(),
-        retry_on_error=[RedisConnectionError, RedisTimeoutError],
-        health_check_interval=30,
-    )
+    return aioredis.Redis.from_url(url, retry=_retry(), **url_options(url))
 
 
 def connect(client: aioredis.Redis | str | None) -> AsyncConnections:

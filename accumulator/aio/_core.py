@@ -15,7 +15,7 @@ from redis.exceptions import NoScriptError
 
 from .. import _retry, _scripts
 from .._errors import CancelledError
-from .._model import AccumulatorModel
+from .._model import AccumulatorModel, server_of
 from .._requests import (
     Batch,
     Call,
@@ -27,6 +27,7 @@ from .._requests import (
     Request,
     Subscribe,
     Unsubscribe,
+    advance,
 )
 from ._connection import AsyncConnections, connect
 
@@ -118,9 +119,7 @@ class AccumulatorBase(AccumulatorModel):
             if self._conns is None:
                 conns = connect(self._client)
                 try:
-                    pool = conns.commands.connection_pool.connection_kwargs
-                    where = (pool.get("host"), pool.get("port"), pool.get("path"), pool.get("db"))
-                    await self._drive(conns, self._open_ops(where))
+                    await self._drive(conns, self._open_ops(server_of(conns.commands)))
                 except BaseException:
                     await conns.close()
                     raise
@@ -208,17 +207,17 @@ class AccumulatorBase(AccumulatorModel):
         error: BaseException | None = None
         while True:
             try:
-                request = ops.send(reply) if error is None else ops.throw(error)
-            except StopIteration as stop:
-                if held or _cancelling(task) > seen:
-                    _rearm(task)
-                return stop.value  # type: ignore[no-any-return]
+                done, request = advance(ops, reply, error)
             except asyncio.CancelledError:
                 raise
             except BaseException as exc:
                 if held or _cancelling(task) > seen:
                     raise asyncio.CancelledError("cancelled while the operation ended") from exc
                 raise
+            if done:
+                if held or _cancelling(task) > seen:
+                    _rearm(task)
+                return request  # type: ignore[no-any-return]
             reply, error = None, None
             try:
                 commit = getattr(request, "commit", False)
