@@ -138,6 +138,15 @@ class ConditionalAccumulator(AccumulatorBase, DenseOps):
     and the taker reads one, whatever the number of workers). ``None`` (default) decides from
     the server: yes when it runs the module and the dtype is float32/64 or an integer. Decided
     at creation and stored; every later opener follows it (:attr:`sums_in_redis`).
+
+    ``min_replicas``, ``wait_aof``: durability this object waits for (Redis replicates
+    asynchronously: by default an acknowledged apply can vanish if the primary dies before a
+    replica has it). Each apply returns only after ``WAIT`` confirms ``min_replicas``
+    replicas have it (``wait_aof=True``: after ``WAITAOF`` confirms the primary's AOF, and
+    ``min_replicas`` replicas' AOFs, have it fsynced; Redis 7.2+), within
+    :attr:`durability_timeout` seconds (default 5), else it raises
+    :class:`NotDurableError` (the gradient is counted: do not apply it again). A take waits
+    the same way for its finish, and logs a shortfall (the round is already the caller's).
     """
 
     def __init__(
@@ -151,11 +160,14 @@ class ConditionalAccumulator(AccumulatorBase, DenseOps):
         client: redis.Redis | str | None = None,
         container: str = "",
         max_pending_bytes: int | None = None,
+        min_replicas: int = 0,
+        wait_aof: bool = False,
         sum_in_redis: bool | None = None,
     ) -> None:
         super().__init__(dtype, shape, shared_name, name, reduction_type, client=client,
                          container=container, max_pending_bytes=max_pending_bytes,
-                         sum_in_redis=sum_in_redis)  # fmt: skip
+                         sum_in_redis=sum_in_redis, min_replicas=min_replicas,
+                         wait_aof=wait_aof)  # fmt: skip
 
     def apply_grad(self, grad: Any, local_step: Any = 0, name: str | None = None) -> bool:
         """Add ``grad`` to the current round; ``False`` if dropped as stale.

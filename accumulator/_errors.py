@@ -7,6 +7,7 @@ __all__ = [
     "CancelledError",
     "DeadlineExceededError",
     "InvalidArgumentError",
+    "NotDurableError",
     "NotFoundError",
     "PermissionDeniedError",
     "ResourceExhaustedError",
@@ -60,3 +61,9 @@ class UnavailableError(AccumulatorError, ConnectionError):
     """Redis could not be reached for longer than the retry window (``retry_window``,
     default 30 s). Faults shorter than that are retried transparently, and a retried apply is
     counted once. The underlying redis-py error is chained as ``__cause__``."""
+
+
+class NotDurableError(UnavailableError):
+    """An apply was recorded on the primary, but the replicas (``min_replicas``) or the AOF
+    fsync (``wait_aof``) did not confirm it within ``durability_timeout``: a failover now
+    could lose it. It is counted: do not apply it again."""

@@ -20,6 +20,7 @@ import numpy as np
 from . import _module, _retry, _scripts
 from ._codec import Definition, format_shape, normalize_shape, resolve_dtype, scalar_int
 from ._connection import WAIT_SLICE
+from ._durability import Durability, durability_of
 from ._errors import (
     CancelledError,
     InvalidArgumentError,
@@ -128,6 +129,8 @@ class AccumulatorModel:
     #: Seconds an operation rides through an unreachable Redis (a restart, a failover, killed
     #: connections) before raising :class:`UnavailableError`; retried applies count once.
     retry_window: float = _retry.RETRY_WINDOW
+    #: Seconds an apply (or a take's finish) waits for ``min_replicas``/``wait_aof``.
+    durability_timeout: float = 5.0
 
     def _setup(
         self,
@@ -139,8 +142,12 @@ class AccumulatorModel:
         container: str,
         max_pending_bytes: int | None,
         sum_in_redis: bool | None,
+        min_replicas: int = 0,
+        wait_aof: bool = False,
     ) -> None:
         """Check the constructor's arguments and set the state (no I/O)."""
+        durability_of(min_replicas, wait_aof, self.durability_timeout)  # checks them
+        self._min_replicas, self._wait_aof = min_replicas, wait_aof
         container = _check_name("" if container is None else container, "container")
         if sum_in_redis not in (None, True, False):
             raise InvalidArgumentError(
@@ -231,6 +238,10 @@ class AccumulatorModel:
             f"{format_shape(self.shape)} {self.reduction_type}>"
         )
 
+    def _durability(self) -> Durability | None:
+        """What each commit waits for (None: nothing, Redis's default)."""
+        return durability_of(self._min_replicas, self._wait_aof, self.durability_timeout)
+
     def _check_open(self) -> None:
         if self._closed:
             raise CancelledError("the accumulator was closed")
@@ -244,6 +255,7 @@ class AccumulatorModel:
         limit = self._max_pending or DEFAULT_MAX_PENDING_BYTES
         explicit = 0 if self._max_pending is None else 1
         yield from _load_scripts()
+        yield from _check_durability(self._durability())
         summed = yield from self._sum_dtype_for_new()
         created, existing, summed = yield Call(
             "open", "open", [self._keys.state],
@@ -326,6 +338,25 @@ class AccumulatorModel:
 def _load_scripts() -> Ops[None]:
     """Register every script with this server once, so the hot path never sees NOSCRIPT."""
     _scripts.check_loaded((yield Batch("open", _scripts.load_commands(), raise_on_error=False)))
+
+
+def _check_durability(durability: Durability | None) -> Ops[None]:
+    """Refuse at open a durability setting the server cannot give (no WAITAOF before Redis
+    7.2, WAITAOF of the primary's AOF without appendonly, a double without WAIT)."""
+    if durability is None:
+        return
+    probe = Durability(0, durability.aof, 0.001).command()
+    try:
+        yield Command("open", probe)
+    except Exception as exc:  # noqa: BLE001 - whatever the server answers, it cannot do it
+        if "replica" in str(exc):
+            # a replica refuses WAIT: a Sentinel-managed client reached the old primary in
+            # a failover (the server can; the next write finds the new primary)
+            return
+        raise UnavailableError(
+            f"{durability.describe()}: the Redis server cannot confirm writes that way "
+            f"({probe[0]} failed: {exc})"
+        ) from exc
 
 
 def _server_has_module() -> Ops[bool]:

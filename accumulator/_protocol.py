@@ -27,11 +27,13 @@ from redis.exceptions import ResponseError
 
 from . import _chunks, _model, _scripts
 from ._codec import parse_shape_token, scalar_int, to_payload
+from ._durability import Durability
 from ._errors import (
     AccumulatorError,
     CancelledError,
     DeadlineExceededError,
     InvalidArgumentError,
+    NotDurableError,
     ResourceExhaustedError,
 )
 from ._keys import SCHEMA_VERSION, Keys
@@ -101,8 +103,9 @@ def apply(
         )
     ident = acc._identities.acquire()
     try:
-        reply, blob, inline = yield from _send(acc, payload, shape_token, local_step,
-                                               first_error, ident.client_id, ident.seq)  # fmt: skip
+        sent = yield from _send(acc, payload, shape_token, local_step, first_error,
+                                ident.client_id, ident.seq)  # fmt: skip
+        reply, blob, inline, acked = sent
     finally:
         acc._identities.release(ident)
     code = int(reply[0])
@@ -111,6 +114,14 @@ def apply(
         len(reply) > 4 and int(reply[4]) or int(reply[3])
     ):
         yield from fold(acc, blob)
+    durability = acc._durability()
+    missing = durability.shortfall(acked) if durability and code == 1 else None
+    if missing:
+        raise NotDurableError(
+            f"apply_grad on {acc._shared_name!r}: the gradient is applied on the primary, "
+            f"but {missing} did not come within {acc.durability_timeout:g}s "
+            "(a failover now could lose it). Do not apply it again: it is counted"
+        )
     if code == -3:
         raise ResourceExhaustedError(
             f"accumulator {acc._shared_name!r}: a gradient of {nbytes} bytes would take "
@@ -130,10 +141,10 @@ def apply(
 def _send(
     acc: AccumulatorModel, payload: memoryview, shape_token: str, local_step: int,
     first_error: str, cid: str, seq: int,
-) -> Ops[tuple[Any, str, bool]]:  # fmt: skip
-    """The apply's pipeline: (script reply, payload key, inline). Every attempt sends the same
-    (client id, seq): the script answers a retry of an apply it already counted without
-    counting it again."""
+) -> Ops[tuple[Any, str, bool, Any]]:  # fmt: skip
+    """The apply's pipeline: (script reply, payload key, inline, the durability wait's reply
+    or None). Every attempt sends the same (client id, seq): the script answers a retry of an
+    apply it already counted without counting it again."""
     nbytes = payload.nbytes
     k = acc._keys
     blob = k.blob(cid, seq)
@@ -142,22 +153,45 @@ def _send(
     args = [SCHEMA_VERSION, seq, local_step, shape_token, "i" if inline else "p",
             b"i" + payload if inline else b"", nbytes, _model.DEDUP_TTL_MS,
             first_error]  # fmt: skip
-    if inline:
-        return (yield Call("apply_grad", "apply", keys, args, commit=True)), blob, True
+    durability = acc._durability()
+    if inline and durability is None:
+        return (yield Call("apply_grad", "apply", keys, args, commit=True)), blob, True, None
     # The parts, each one chunk, straight from the caller's buffer (memoryview slices: no
     # copy). NX: a retry must not re-arm the orphan expiry of a payload already accepted.
-    commands: list[tuple[Any, ...]] = [
+    commands: list[tuple[Any, ...]] = [] if inline else [
         ("SET", k.part(blob, i), payload[start:stop], "NX", "PX", _model.ORPHAN_TTL_MS)
         for i, (start, stop) in enumerate(_chunks.part_ranges(nbytes))
-    ]
+    ]  # fmt: skip
     commands.append(tuple(_scripts.evalsha_args("apply", keys, args)))
-    replies = yield Batch("apply_grad", commands, raise_on_error=False, commit=True)
-    for result in replies:  # a part's refusal (OOM, ACL) explains best
+    replies = yield from _committed("apply_grad", commands, durability)
+    return replies[-1], blob, inline, replies.acked
+
+
+class _Replies(list[Any]):
+    """A batch's replies, and the reply of the durability wait after them (or None)."""
+
+    acked: Any = None
+
+
+def _committed(
+    what: str, commands: list[tuple[Any, ...]], durability: Durability | None
+) -> Ops[_Replies]:
+    """Send a commit's commands in one batch, followed by the durability wait on the same
+    connection; error replies raise (a payload part's refusal, OOM or ACL, before the
+    script's: it explains best)."""
+    if durability is not None:
+        commands = [*commands, durability.command()]
+    replies = _Replies((yield Batch(what, commands, raise_on_error=False, commit=True)))
+    if durability is not None:
+        acked = replies.pop()
+        # a wait that failed confirmed nothing
+        replies.acked = durability.unconfirmed() if isinstance(acked, Exception) else acked
+    for result in replies:
         if isinstance(result, ResponseError):
             raise _scripts.translate(result)
         if isinstance(result, Exception):
             raise result
-    return replies[-1], blob, False
+    return replies
 
 
 def fold(acc: AccumulatorModel, blob: str) -> Ops[None]:
@@ -298,7 +332,23 @@ def _finish(acc: AccumulatorModel, taker: str, claim_key: str, blob_keys: list[b
     return it then: it would be counted twice)."""
     k = acc._keys
     keys: list[str | bytes] = [k.state, claim_key, k.claims, k.finished, *blob_keys]
-    ours = yield Call("take_grad (finishing)", "finish", keys, [taker], commit=True)
+    durability = acc._durability()
+    what = "take_grad (finishing)"
+    if durability is None:
+        ours = yield Call(what, "finish", keys, [taker], commit=True)
+    else:
+        finish = tuple(_scripts.evalsha_args("finish", keys, [taker]))
+        replies = yield from _committed(what, [finish], durability)
+        ours = replies[0]
+        missing = durability.shortfall(replies.acked)
+        if missing and int(ours):
+            # the round is this take's now: returning it is right; a failover before the
+            # replicas have the finish could hand it to another take as well
+            logger.warning(
+                "take_grad on %r: the round is taken, but %s of its finish did not come "
+                "within %gs (a failover now could let another take take it again)",
+                acc._shared_name, missing, durability.timeout,
+            )  # fmt: skip
     if not int(ours):
         raise AccumulatorError(_taken_over_message(acc))
 

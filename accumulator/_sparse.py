@@ -221,7 +221,8 @@ class SparseConditionalAccumulator(AccumulatorBase, SparseOps):
 
     What is shared across hosts (every process opening the same ``shared_name`` in the same
     ``container`` on the same server), and the arguments (``client``...): as for
-    :class:`ConditionalAccumulator`. Sparse rounds are always summed by the taker.
+    :class:`ConditionalAccumulator`, and so are ``min_replicas`` and ``wait_aof``. Sparse
+    rounds are always summed by the taker.
     """
 
     def __init__(
@@ -235,9 +236,12 @@ class SparseConditionalAccumulator(AccumulatorBase, SparseOps):
         client: redis.Redis | str | None = None,
         container: str = "",
         max_pending_bytes: int | None = None,
+        min_replicas: int = 0,
+        wait_aof: bool = False,
     ) -> None:
         super().__init__(dtype, shape, shared_name, name, reduction_type, client=client,
-                         container=container, max_pending_bytes=max_pending_bytes)  # fmt: skip
+                         container=container, max_pending_bytes=max_pending_bytes,
+                         min_replicas=min_replicas, wait_aof=wait_aof)  # fmt: skip
 
     def apply_grad(
         self,

@@ -40,7 +40,14 @@ from typing import Any
 
 import redis
 
-__all__ = ["ENV_BINARY", "RedisServer", "fake_client", "find_server_binary"]
+__all__ = [
+    "ENV_BINARY",
+    "RedisServer",
+    "ReplicaSet",
+    "SentinelGroup",
+    "fake_client",
+    "find_server_binary",
+]
 
 log = logging.getLogger(__name__)
 
@@ -542,3 +549,7 @@ class _LiveServers:
 
 _live_servers = _LiveServers()
 atexit.register(_live_servers.stop_all)
+
+
+# groups of servers (they build on RedisServer above)
+from ._testing_groups import ReplicaSet, SentinelGroup  # noqa: E402

@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 import redis
 from _helpers import entry_payload
+from redis.sentinel import Sentinel
 
 import accumulator
 from accumulator._keys import Keys
@@ -66,13 +67,27 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__} {str(exc).splitlines()[0][:300] if str(exc) else ''}"
 
 
-def _open(url: str, name: str, width: int, log: _Log) -> accumulator.ConditionalAccumulator:
-    """Open the accumulator, riding out a fault the library did not absorb (logged)."""
+def client_of(spec: Any) -> Any:
+    """What a drill process passes as ``client``: a URL as it is; ``("sentinel", ports,
+    service)`` becomes a Sentinel-managed client (it follows the primary across failovers)."""
+    if isinstance(spec, str):
+        return spec
+    _, ports, service = spec
+    sentinel = Sentinel([("127.0.0.1", port) for port in ports], socket_timeout=1.0)
+    return sentinel.master_for(service, socket_timeout=5.0)
+
+
+def _open(url: Any, name: str, width: int, log: _Log) -> accumulator.ConditionalAccumulator:
+    """Open the accumulator, riding out a fault the library did not absorb (logged).
+    ``url``: a client spec (:func:`client_of`), and the durability as ``(spec,
+    min_replicas)``."""
+    spec, min_replicas = url if isinstance(url, tuple) and len(url) == 2 else (url, 0)
     while True:
         try:
             return accumulator.ConditionalAccumulator(
-                DTYPE, shape=(width,), shared_name=name, reduction_type="SUM", client=url
-            )
+                DTYPE, shape=(width,), shared_name=name, reduction_type="SUM",
+                client=client_of(spec), min_replicas=min_replicas,
+            )  # fmt: skip
         except Exception as exc:  # noqa: BLE001 - recorded, then retried
             log(f"E - open {_describe(exc)}")
             time.sleep(0.2)
@@ -166,6 +181,20 @@ def _hook_take_protocol(log: _Log) -> list[str]:
         return reply
 
     _scripts.call = call  # type: ignore[assignment]
+    # with a durability setting, the finish script goes in a pipeline with its WAIT
+    from accumulator import _core
+
+    if hasattr(_core.AccumulatorBase, "_batch"):
+        original_batch = _core.AccumulatorBase._batch
+        finish = _scripts.sha("finish")
+
+        def batch(self: Any, request: Any) -> Any:
+            if any(tuple(c[:2]) == ("EVALSHA", finish) for c in request.commands):
+                marks.append("F")
+                log("F")
+            return original_batch(self, request)
+
+        _core.AccumulatorBase._batch = batch  # type: ignore[method-assign]
     return marks
 
 
@@ -255,6 +284,7 @@ class DrillConfig:
     claim_lease: float = 5.0  # where the library has one (see set_claim_lease)
     wait_slice: float = 0.5
     seed: int = 0
+    min_replicas: int = 0  # the processes' durability setting
 
 
 @dataclass
@@ -287,7 +317,12 @@ class Drill:
         self.hangs: list[str] = []
         self.redis_down_max = 0.0
         self.stop_path = self.run_dir / "STOP"
-        self.admin = redis.Redis.from_url(self.server.url, socket_timeout=10)
+        # a SentinelGroup is reached through its Sentinels (its primary changes)
+        sentinels = getattr(self.server, "sentinel_ports", None)
+        self.spec: Any = ("sentinel", list(sentinels), "mymaster") if sentinels else self.server.url
+        self.admin = client_of(self.spec) if sentinels else redis.Redis.from_url(
+            self.server.url, socket_timeout=10)  # fmt: skip
+        self.failovers: list[float] = []
         self._bag: list[str] = []
 
     # -- processes ---------------------------------------------------------------------------
@@ -301,7 +336,7 @@ class Drill:
         path = self.run_dir / f"worker-{index:04d}.log"
         proc = self.ctx.Process(
             target=worker_main, daemon=True,
-            args=(self.server.url, c.name, c.width, first, c.block, str(path),
+            args=((self.spec, c.min_replicas), c.name, c.width, first, c.block, str(path),
                   str(self.stop_path), c.seed * 100_003 + index, c.pace),
         )  # fmt: skip
         proc.start()
@@ -315,7 +350,7 @@ class Drill:
         path = self.run_dir / f"taker-{index:03d}.log"
         proc = self.ctx.Process(
             target=taker_main, daemon=True,
-            args=(self.server.url, c.name, c.width, str(path), str(self.stop_path),
+            args=((self.spec, c.min_replicas), c.name, c.width, str(path), str(self.stop_path),
                   c.seed * 7919 + index, c.take_max, c.taker_lease, c.wait_slice,
                   c.claim_lease),
         )  # fmt: skip
@@ -409,6 +444,13 @@ class Drill:
             down = time.monotonic() - started
             self.redis_down_max = max(self.redis_down_max, down)
             detail = f"down {down:.2f}s"
+        elif kind == "failover":
+            started = time.monotonic()
+            # every other one with lagging replicas (what asynchronous replication loses)
+            lag = 0.5 if self.faults[kind] % 2 else 0.0
+            port = self.server.failover(down=self.rng.uniform(*c.redis_down), lag=lag)
+            self.failovers.append(round(time.monotonic() - started, 2))
+            detail = f"primary now on port {port} after {self.failovers[-1]}s"
         elif kind == "client_kill":
             detail = f"{self._admin('CLIENT', 'KILL', 'TYPE', 'normal')} connections"
         elif kind == "pause_all":
@@ -434,7 +476,7 @@ class Drill:
         c = self.config
         acc = accumulator.ConditionalAccumulator(
             DTYPE, shape=(c.width,), shared_name=c.name, reduction_type="SUM",
-            client=self.server.url,
+            client=client_of(self.spec),
         )  # fmt: skip
         acc.wait_slice = c.wait_slice
         started = time.monotonic()
@@ -453,7 +495,7 @@ class Drill:
                     next_fault = time.monotonic() + self.rng.uniform(*c.fault_gap)
                 time.sleep(0.05)
             faulting = time.monotonic() - started
-            if not self.server.running:
+            if not getattr(self.server, "running", True):
                 self.server.start()
             self.stop_path.write_text("stop\n")
             for kind, limit in (("worker", 60.0), ("taker", 30.0)):
@@ -477,6 +519,7 @@ class Drill:
                     p.proc.join(10)
             acc.close()
             self.admin.close()
+        report["failovers"] = self.failovers
         report["faulting_seconds"] = round(faulting, 1)
         report["seconds"] = round(time.monotonic() - started, 1)
         return report

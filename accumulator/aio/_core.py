@@ -85,10 +85,12 @@ class AccumulatorBase(AccumulatorModel):
         client: aioredis.Redis | str | None = None,
         container: str = "",
         max_pending_bytes: int | None = None,
+        min_replicas: int = 0,
+        wait_aof: bool = False,
         sum_in_redis: bool | None = None,
     ) -> None:
         self._setup(dtype, shape, shared_name, name, reduction_type, container,
-                    max_pending_bytes, sum_in_redis)  # fmt: skip
+                    max_pending_bytes, sum_in_redis, min_replicas, wait_aof)  # fmt: skip
         if not (client is None or isinstance(client, (str, aioredis.Redis))):
             from ._connection import _check_client
 

@@ -1,0 +1,58 @@
+"""Failover drills: a primary with two replicas and three Sentinels (``accumulator.testing.
+SentinelGroup``); worker and taker processes apply and take one-hot gradients with exact
+accounting (``tests/_drill.py``) while the drill SIGKILLs the primary again and again (the
+Sentinels promote a replica; the crashed server comes back as a replica) and kills workers
+and takers. Acknowledged applies lost and gradients counted twice are counted, with Redis's
+default (asynchronous replication) and with ``min_replicas=1``: the durable setting must lose
+nothing; the default's numbers are reported, not asserted (the README's table)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+from _drill import Drill, DrillConfig, summary_line
+
+from accumulator.testing import SentinelGroup, find_server_binary
+
+SECONDS = float(os.environ.get("ACCUMULATOR_FAILOVER_SECONDS", "25"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("min_replicas", [0, 1], ids=["default", "min_replicas=1"])
+def test_failover_drill(tmp_path, min_replicas):
+    if find_server_binary() is None:
+        pytest.skip("no redis-server binary (scripts/test.sh installs one)")
+    config = DrillConfig(
+        name=f"failover-{min_replicas}", width=6000, seconds=SECONDS, workers=3, block=500,
+        pace=0.01, faults=("failover", "kill_worker", "kill_taker"), fault_gap=(2.0, 4.0),
+        redis_down=(0.0, 1.0), min_replicas=min_replicas, seed=11 + min_replicas,
+    )  # fmt: skip
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    with SentinelGroup(replicas=2, down_after=1.0, module=False) as group:
+        report = Drill(config, group, run_dir).run()
+    text = json.dumps(report, indent=1)
+    path = tmp_path / f"failover-{min_replicas}.json"
+    path.write_text(text)
+    print()
+    print(f"min_replicas={min_replicas}: {summary_line(report)} failovers {report['failovers']}")
+    if os.environ.get("ACCUMULATOR_DRILL_REPORT_DIR"):
+        keep = Path(os.environ["ACCUMULATOR_DRILL_REPORT_DIR"])
+        keep.mkdir(parents=True, exist_ok=True)
+        (keep / f"failover-{min_replicas}-{time.strftime('%Y%m%d-%H%M%S')}.json").write_text(text)
+    problems = []
+    if report["faults"].get("failover", 0) < 2:
+        problems.append(f"too few failovers: {report['faults']}")
+    if report["accepted"] < 200 or report["takes"] < 20:
+        problems.append("too little traffic to mean much")
+    if report["crashes"] or report["hangs"]:
+        problems.append(f"processes: {report['crashes'] + report['hangs']}")
+    if min_replicas:
+        for what in ("lost", "doubled", "phantom"):
+            if report[what]:
+                problems.append(f"{what}: {report[what]} (e.g. {report['examples'][what]})")
+    assert not problems, f"{summary_line(report)}\n" + "\n".join(problems) + f"\nreport: {path}"
