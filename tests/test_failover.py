@@ -13,9 +13,11 @@ import os
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from _drill import Drill, DrillConfig, summary_line
 
+import accumulator
 from accumulator.testing import SentinelGroup, find_server_binary
 
 SECONDS = float(os.environ.get("ACCUMULATOR_FAILOVER_SECONDS", "25"))
@@ -56,3 +58,19 @@ def test_failover_drill(tmp_path, min_replicas):
             if report[what]:
                 problems.append(f"{what}: {report[what]} (e.g. {report['examples'][what]})")
     assert not problems, f"{summary_line(report)}\n" + "\n".join(problems) + f"\nreport: {path}"
+
+
+@pytest.mark.slow
+def test_the_readme_failover_example():
+    """README, 'Testing your own code': an apply confirmed by a replica survives a failover;
+    the same accumulator object rides it out."""
+    if find_server_binary() is None:
+        pytest.skip("no redis-server binary (scripts/test.sh installs one)")
+    with SentinelGroup(replicas=2) as group:
+        acc = accumulator.ConditionalAccumulator(np.float32, (4,), shared_name="w",
+                                                 client=group.client(), min_replicas=1)  # fmt: skip
+        acc.apply_grad(np.ones(4))
+        old = group.current_primary_port()
+        assert group.failover() != old
+        assert acc.take_grad(1).tolist() == [1, 1, 1, 1]
+        acc.close()
