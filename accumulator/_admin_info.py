@@ -5,7 +5,7 @@ read shows as ``"?"`` or ``None``."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -243,3 +243,13 @@ def _takers(
             )
         )
     return tuple(out)
+
+
+def queue_time(r: Any, pipe: Any) -> Callable[[list[Any]], list[Any]]:
+    """Queue the server's TIME first on ``pipe``; returns what to apply to the pipeline's
+    replies. A cluster pipeline cannot carry TIME (it has no key): there it is asked apart,
+    and put first in the replies all the same."""
+    if getattr(r, "nodes_manager", None) is None:
+        pipe.time()
+        return lambda replies: list(replies)
+    return lambda replies: [r.time(), *replies]

@@ -13,7 +13,7 @@ from typing import Any, cast
 import msgpack
 import redis
 
-from ._admin_info import _int, _server_ms, _text
+from ._admin_info import _int, _server_ms, _text, queue_time
 from ._admin_ops import delete
 from ._errors import InvalidArgumentError, NotFoundError
 from ._keys import DEFAULT_PREFIX, SYNC_PREFIX, Keys, SyncKeys, is_done_mark
@@ -171,11 +171,11 @@ def describe_job(
     when the job has no keys."""
     keys = SyncKeys(container, job, sync_prefix)
     pipe = r.pipeline(transaction=False)
-    pipe.time()
+    clock = queue_time(r, pipe)
     pipe.hmget(keys.params, ["run", "step", "done", "meta"])
     pipe.hgetall(keys.stats)
     pipe.hgetall(chief_lease_key(keys))
-    now_reply, (run, step, done, meta), counters, lease = pipe.execute()
+    now_reply, (run, step, done, meta), counters, lease = clock(pipe.execute())
     if run is None and step is None and not counters and not lease:
         where = f" in container {container!r}" if container else ""
         raise NotFoundError(f"no sync job named {job!r}{where}")

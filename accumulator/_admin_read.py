@@ -11,7 +11,17 @@ from typing import Any
 import redis
 from redis.exceptions import ResponseError
 
-from ._admin_info import Info, LeftClaim, Unreadable, _info, _int, _server_ms, _takers, _text
+from ._admin_info import (
+    Info,
+    LeftClaim,
+    Unreadable,
+    _info,
+    _int,
+    _server_ms,
+    _takers,
+    _text,
+    queue_time,
+)
 from ._errors import NotFoundError
 from ._keys import DEFAULT_PREFIX, Keys, parse_state_key, state_pattern
 
@@ -92,11 +102,11 @@ def list_accumulators(
     if not found:
         return []
     pipe = r.pipeline(transaction=False)
-    pipe.time()
+    clock = queue_time(r, pipe)
     for _, _, keys in found:
         pipe.hgetall(keys.state)
         pipe.zcard(keys.takers)
-    replies = pipe.execute(raise_on_error=False)
+    replies = clock(pipe.execute(raise_on_error=False))
     for reply in replies:
         if isinstance(reply, Exception) and not _wrong_type(reply):
             raise reply
@@ -210,13 +220,13 @@ def describe(
     """
     keys = Keys(container, shared_name, prefix)
     pipe = r.pipeline(transaction=True)  # one consistent snapshot of the fixed keys
-    pipe.time()
+    clock = queue_time(r, pipe)
     pipe.hgetall(keys.state)
     pipe.zrange(keys.takers, 0, -1, withscores=True)
     pipe.hgetall(keys.taker_info)
     pipe.lrange(keys.grads, 0, -1)
     pipe.llen(keys.quarantine)
-    now_reply, state, ranked, taker_info, entries, quarantined = pipe.execute()
+    now_reply, state, ranked, taker_info, entries, quarantined = clock(pipe.execute())
     if not state:
         raise _not_found(shared_name, container)
     now = _server_ms(now_reply)

@@ -12,13 +12,15 @@ import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TextIO
+from typing import Any, TextIO, cast
 
 import redis
 from redis.backoff import NoBackoff
+from redis.cluster import RedisCluster
 from redis.connection import SSLConnection, UnixDomainSocketConnection, parse_url
 from redis.retry import Retry
 
+from ._connection import cluster_url
 from ._redact import redact_url, url_secrets
 
 EXIT_OK = 0
@@ -179,6 +181,21 @@ class Context:
     def connect(self) -> redis.Redis:
         """A checked connection (PING answered); raises :class:`CliError` when impossible."""
         if self._client is not None:
+            return self._client
+        plain = cluster_url(self.url)
+        if plain is not None:  # redis+cluster://: a cluster client, which finds every node
+            extra: dict[str, Any] = {"username": self.user} if self.user else {}
+            if self.password and "@" not in plain:
+                extra["password"] = self.password
+            if self.tls_ca_cert:
+                extra["ssl_ca_certs"] = self.tls_ca_cert
+            if self.tls and plain.startswith("redis://"):
+                plain = "rediss://" + plain[len("redis://") :]
+            cluster = RedisCluster.from_url(plain, socket_connect_timeout=CONNECT_TIMEOUT,
+                                            socket_timeout=COMMAND_TIMEOUT, **extra)  # fmt: skip
+            cluster.ping()
+            # the admin functions use only what both clients serve (keys route by slot)
+            self._client = cast(redis.Redis, cluster)
             return self._client
         pool = redis.ConnectionPool(**self.connection_options())
         try:  # a connection object checks the options without connecting

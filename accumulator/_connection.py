@@ -12,6 +12,7 @@ from typing import Any, cast
 
 import redis
 from redis.backoff import ExponentialWithJitterBackoff
+from redis.cluster import RedisCluster
 from redis.connection import AbstractConnection, PythonRespSerializer
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -107,7 +108,9 @@ class Connections:
                 del _SHARED[self._key]
         for client in (self.blocking, self.commands):
             client.close()  # a client given its pool leaves the pool open: close that too
-            client.connection_pool.disconnect()
+            pool = getattr(client, "connection_pool", None)  # a cluster client has none
+            if pool is not None:
+                pool.disconnect()
 
 
 @dataclass
@@ -178,8 +181,8 @@ def _check_client(client: object) -> None:
         )
     if "cluster" in module.lower() or hasattr(client, "nodes_manager"):
         raise TypeError(
-            f"{type(client).__name__}: Redis Cluster clients are not supported yet; pass a "
-            "redis.Redis (plain or Sentinel-managed) client or a URL"
+            f"{type(client).__module__}.{type(client).__name__}: of cluster clients, "
+            "redis.cluster.RedisCluster is supported (or a redis+cluster:// URL)"
         )
     raise TypeError(
         f"client must be a redis.Redis (plain or Sentinel-managed), a valkey.Valkey, a URL "
@@ -254,12 +257,14 @@ def connect(client: redis.Redis | str | None) -> Connections:
     if isinstance(client, str):
         # a digest, not the URL: it may hold a password, and objects keep this key
         key: object = ("url", hashlib.sha256(client.encode()).hexdigest())
+    elif isinstance(client, RedisCluster):
+        key = ("cluster", id(client))
     elif isinstance(client, redis.Redis) or _is_valkey(client):
         key = ("pool", id(client.connection_pool))
     else:
         _check_client(client)
         raise AssertionError  # _check_client raised
-    origin: object = None if isinstance(client, str) else client.connection_pool
+    origin: object = None if isinstance(client, str) else getattr(client, "connection_pool", client)
     with _LOCK:
         entry = _SHARED.get(key)
         if entry is not None and entry.origin is origin:
@@ -277,7 +282,41 @@ def connect(client: redis.Redis | str | None) -> Connections:
     return Connections(entry.commands, entry.blocking, key)
 
 
+def is_cluster(client: Any) -> bool:
+    """Whether a client talks to a Redis Cluster (``redis.cluster.RedisCluster``)."""
+    return isinstance(client, RedisCluster)
+
+
+def cluster_url(url: str) -> str | None:
+    """The plain URL of a ``redis+cluster://`` (``rediss+cluster://``) one, else None."""
+    for scheme in ("redis+cluster://", "rediss+cluster://"):
+        if url.startswith(scheme):
+            return scheme.replace("+cluster", "") + url[len(scheme) :]
+    return None
+
+
+def _cluster(client: RedisCluster | str, socket_timeout: float) -> Any:
+    """A cluster client like the one given (its nodes, credentials and TLS; a URL's), that
+    replies bytes, with our timeouts and retries."""
+    settings: dict[str, Any] = dict(decode_responses=False, socket_timeout=socket_timeout,
+                                    socket_connect_timeout=CONNECT_TIMEOUT)  # fmt: skip
+    if isinstance(client, str):
+        return RedisCluster.from_url(client, **settings)
+    from redis.cluster import ClusterNode
+
+    kwargs: dict[str, Any] = {k: v for k, v in client.nodes_manager.connection_kwargs.items()
+              if k in ("username", "password", "ssl", "ssl_ca_certs", "ssl_certfile",
+                       "ssl_keyfile", "ssl_cert_reqs", "client_name", "protocol")}  # fmt: skip
+    nodes = [ClusterNode(n.host, n.port) for n in client.get_nodes()]
+    return RedisCluster(startup_nodes=nodes, **kwargs, **settings)
+
+
 def _new(client: Any) -> tuple[redis.Redis, redis.Redis]:
+    plain = cluster_url(client) if isinstance(client, str) else None
+    if plain is not None or isinstance(client, RedisCluster):
+        source = plain if plain is not None else client
+        return (_cluster(source, SOCKET_TIMEOUT),
+                _cluster(source, WAIT_SLICE + max(5.0, SOCKET_TIMEOUT)))  # fmt: skip
     if isinstance(client, str):
         base, owned = _url_client(client), True
     elif isinstance(client, redis.Redis):

@@ -19,8 +19,8 @@ from redis.client import PubSub
 from redis.exceptions import NoScriptError
 
 from . import _protocol, _retry, _scripts
-from ._connection import Connections, connect
-from ._errors import CancelledError
+from ._connection import Connections, connect, is_cluster
+from ._errors import CancelledError, InvalidArgumentError
 from ._keys import Keys
 from ._model import AccumulatorModel, server_of
 from ._requests import (
@@ -84,6 +84,13 @@ class AccumulatorBase(AccumulatorModel):
         self._setup(dtype, shape, shared_name, name, reduction_type, container,
                     max_pending_bytes, sum_in_redis, min_replicas, wait_aof)  # fmt: skip
         self._conns = connect(client)
+        self._cluster = is_cluster(self._conns.commands)
+        if self._cluster and self._durability() is not None:
+            self._conns.close()
+            raise InvalidArgumentError(
+                "min_replicas/wait_aof are not supported on Redis Cluster yet (WAIT must "
+                "follow the writes on their node's connection)"
+            )
         # connections of waits in progress: close() from another thread breaks them (the
         # pools are shared with other accumulators and stay open)
         self._waits: set[Any] = set()
@@ -171,6 +178,9 @@ class AccumulatorBase(AccumulatorModel):
             return self._io(request.what,
                             lambda: get_into(commands, request.keys, request.outs))  # fmt: skip
         if isinstance(request, Pop):
+            if self._cluster:  # routed by key; close() cannot cut it: short slices
+                blocking = self._conns.blocking
+                return self._wait(blocking.blpop, [request.key], min(request.timeout, 0.5))
             return self._wait(self._blpop, self._conns.blocking, request.key, request.timeout)
         if isinstance(request, Subscribe):
             queue = self._conns.blocking.pubsub(ignore_subscribe_messages=True)
@@ -187,8 +197,12 @@ class AccumulatorBase(AccumulatorModel):
         raise TypeError(f"unknown request {request!r}")
 
     def _batch(self, request: Batch) -> list[Any]:
+        commands = self._conns.commands
+
         def send() -> list[Any]:
-            pipe = self._conns.commands.pipeline(transaction=False)
+            if self._cluster and all(c[0] == "SCRIPT" for c in request.commands):
+                return [_each(commands, c, request.raise_on_error) for c in request.commands]
+            pipe = commands.pipeline(transaction=False)
             for command in request.commands:
                 pipe.execute_command(*command)
             return pipe.execute(raise_on_error=request.raise_on_error)
@@ -198,7 +212,9 @@ class AccumulatorBase(AccumulatorModel):
         except NoScriptError:
             replies = [NoScriptError()]
         if any(isinstance(r, NoScriptError) for r in replies):
-            _scripts.load_all(self._conns.commands)  # after a restart: then all again
+            # after a restart or a failover: load them all, then send the batch again
+            load = Batch(request.what, _scripts.load_commands(), raise_on_error=False)
+            _scripts.check_loaded(self._batch(load))
             replies = send()
         return replies
 
@@ -255,3 +271,13 @@ class AccumulatorBase(AccumulatorModel):
             time.sleep(0.05)  # a refused reconnect fails at once: do not spin
             return False
 
+
+def _each(client: Any, command: tuple[Any, ...], raise_on_error: bool) -> Any:
+    """One command of a batch that a cluster pipeline cannot route (SCRIPT LOAD: every
+    primary); its error as the reply unless ``raise_on_error``."""
+    try:
+        return client.execute_command(*command)
+    except redis.ResponseError as exc:
+        if raise_on_error:
+            raise
+        return exc

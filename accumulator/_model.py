@@ -69,7 +69,11 @@ _REDUCTIONS = ("MEAN", "SUM")
 def server_of(client: Any) -> tuple[Any, ...]:
     """(host, port, path, db) of a client's server (sync or asyncio): what a warning is given
     once for."""
-    kwargs = client.connection_pool.connection_kwargs
+    pool = getattr(client, "connection_pool", None)
+    if pool is None:  # a cluster client: the node it was started from
+        node = client.get_default_node()
+        return (node.host, node.port, None, 0)
+    kwargs = pool.connection_kwargs
     return (kwargs.get("host"), kwargs.get("port"), kwargs.get("path"), kwargs.get("db"))
 
 

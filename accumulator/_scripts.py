@@ -32,7 +32,7 @@ from ._requests import advance
 
 logger = logging.getLogger("accumulator")
 
-#: The accumulators' scripts, registered by :func:`load_all` when an accumulator opens. The
+#: The accumulators' scripts, registered (:func:`load_commands`) when an accumulator opens. The
 #: sync helper's own (``sync_lease``, ``sync_count``: keys of ``accumulator.sync``, not an
 #: accumulator's) are called by name too and loaded on first use (NOSCRIPT).
 NAMES = ("open", "apply", "fold", "take", "finish", "leave", "set_step", "reset")
@@ -130,14 +130,6 @@ def check_loaded(replies: Sequence[Any]) -> None:
             return
         if isinstance(reply, Exception):
             raise reply
-
-
-def load_all(client: redis.Redis) -> None:
-    """Register every script with this server (see :func:`check_loaded`)."""
-    pipe = client.pipeline(transaction=False)
-    for command in load_commands():
-        pipe.execute_command(*command)
-    check_loaded(pipe.execute(raise_on_error=False))
 
 
 def is_no_permission(reply: Any) -> bool:

@@ -285,3 +285,129 @@ def _synced_to(replication: dict[str, Any], port: int) -> bool:
         and replication.get("master_link_status") == "up"
         and not int(replication.get("master_sync_in_progress", 0))
     )
+
+
+#: The hash slots of a Redis Cluster.
+SLOTS = 16384
+
+
+class LocalCluster:
+    """A throwaway Redis Cluster on free loopback ports: ``primaries`` primaries with
+    ``replicas_each`` replicas each (3 and 1 by default), slots split evenly, ready when
+    :meth:`start` returns. :meth:`client` is a ``redis.cluster.RedisCluster``; :attr:`url`
+    names one primary (a cluster client finds the others); :attr:`servers` are
+    :class:`RedisServer` objects (``kill()`` one to make its replica take over)::
+
+        with LocalCluster() as cluster:
+            acc = ConditionalAccumulator(np.float32, (4,), shared_name="w",
+                                         client=cluster.client())
+    """
+
+    def __init__(
+        self,
+        primaries: int = 3,
+        replicas_each: int = 1,
+        *,
+        node_timeout: float = 2.0,
+        args: Sequence[str] = (),
+        module: bool | None = False,
+    ) -> None:
+        if primaries < 1 or replicas_each < 0:
+            raise ValueError("a cluster needs at least one primary, and replicas_each >= 0")
+        self._n_primaries = primaries
+        self._replicas_each = replicas_each
+        self._args = ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                      "--cluster-node-timeout", str(int(node_timeout * 1000)), *args]  # fmt: skip
+        self._module = module
+        self.servers: list[RedisServer] = []
+
+    @property
+    def url(self) -> str:
+        """A URL of the first primary (as started)."""
+        return self.servers[0].url
+
+    def start(self) -> LocalCluster:
+        """Start the nodes, join them, split the slots, attach the replicas; wait until every
+        node says the cluster is ``ok``."""
+        total = self._n_primaries * (1 + self._replicas_each)
+        try:
+            for _ in range(total):
+                server = RedisServer(port=_cluster_port(), args=self._args, module=self._module)
+                self.servers.append(server.start())
+            clients = [s.client(socket_timeout=5) for s in self.servers]
+            first = self.servers[0]
+            for client in clients[1:]:
+                client.execute_command("CLUSTER", "MEET", _HOST, first.port)
+            step = SLOTS // self._n_primaries
+            for i, client in enumerate(clients[: self._n_primaries]):
+                low = i * step
+                high = SLOTS - 1 if i == self._n_primaries - 1 else (i + 1) * step - 1
+                client.execute_command("CLUSTER", "ADDSLOTSRANGE", low, high)
+            _wait("every node knowing every other",
+                  lambda: all(len(_nodes(c)) == total for c in clients), 30)  # fmt: skip
+            ids = [c.execute_command("CLUSTER", "MYID").decode() for c in clients]
+            for j, client in enumerate(clients[self._n_primaries :]):
+                client.execute_command("CLUSTER", "REPLICATE", ids[j % self._n_primaries])
+            _wait("the cluster state ok on every node",
+                  lambda: all(c.cluster("info").get("cluster_state") == "ok" for c in clients)
+                  and all(_replicas_in_sync(c) for c in clients[self._n_primaries :]),
+                  60)  # fmt: skip
+            for client in clients:
+                client.close()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def client(self, **kwargs: Any) -> Any:
+        """A ``redis.cluster.RedisCluster`` of this cluster (kwargs go to it)."""
+        from redis.cluster import ClusterNode, RedisCluster
+
+        kwargs.setdefault("socket_timeout", 5.0)
+        nodes = [ClusterNode(_HOST, s.port) for s in self.servers if s.running]
+        return RedisCluster(startup_nodes=nodes, **kwargs)
+
+    def stop(self) -> None:
+        """Stop every node (their data is gone)."""
+        for server in self.servers:
+            server.stop()
+        self.servers.clear()
+
+    def __enter__(self) -> LocalCluster:
+        return self.start()
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind((_HOST, port))
+        except OSError:
+            return False
+    return True
+
+
+def _cluster_port() -> int:
+    """A free port whose cluster bus port (+10000) is free too: at most 55535."""
+    import random
+
+    for _ in range(1000):
+        port = random.randint(20000, 55535)
+        if _port_free(port) and _port_free(port + 10000):
+            return port
+    raise RuntimeError("no free port pair for a cluster node")
+
+
+def _nodes(client: redis.Redis) -> list[str]:
+    text = client.execute_command("CLUSTER", "NODES")
+    text = text.decode() if isinstance(text, bytes) else str(text)
+    return [line for line in text.splitlines() if line.strip()]
+
+
+def _replicas_in_sync(client: redis.Redis) -> bool:
+    info = client.info("replication")
+    return bool(info.get("role") == "slave" and info.get("master_link_status") == "up")

@@ -42,6 +42,7 @@ import redis
 
 __all__ = [
     "ENV_BINARY",
+    "LocalCluster",
     "RedisServer",
     "ReplicaSet",
     "SentinelGroup",
@@ -552,4 +553,4 @@ atexit.register(_live_servers.stop_all)
 
 
 # groups of servers (they build on RedisServer above)
-from ._testing_groups import ReplicaSet, SentinelGroup  # noqa: E402
+from ._testing_groups import LocalCluster, ReplicaSet, SentinelGroup  # noqa: E402

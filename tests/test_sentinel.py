@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import redis
 import redis.asyncio
-import redis.cluster
+import redis.asyncio.cluster
 from redis.sentinel import Sentinel
 
 import accumulator
@@ -75,8 +75,9 @@ def test_sentinel_managed_client(sentinel_master):
 def test_unsupported_clients_are_refused_naming_what_to_pass():
     with pytest.raises(TypeError, match="redis.Redis .*not object"):
         accumulator.ConditionalAccumulator(np.float32, client=object())  # type: ignore[arg-type]
-    cluster = redis.cluster.RedisCluster.__new__(redis.cluster.RedisCluster)  # no server
-    with pytest.raises(TypeError, match="Redis Cluster clients are not supported yet"):
+    # the asyncio cluster client: the synchronous cluster client is the supported one
+    cluster = redis.asyncio.cluster.RedisCluster.__new__(redis.asyncio.cluster.RedisCluster)
+    with pytest.raises(TypeError, match="redis.cluster.RedisCluster is supported"):
         accumulator.ConditionalAccumulator(np.float32, client=cluster)  # type: ignore[arg-type]
     aio = redis.asyncio.Redis()  # connects lazily: nothing is sent
     with pytest.raises(TypeError, match="redis.asyncio.client.Redis is an asyncio client"):

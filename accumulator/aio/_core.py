@@ -203,6 +203,9 @@ class AccumulatorBase(AccumulatorModel):
         lets the operation complete; it then returns its result and the cancel lands at the
         caller's next await (or, if the operation failed, it raises CancelledError)."""
         task = asyncio.current_task()
+        # a cancel pending from before (one held back by a commit of the caller's previous
+        # operation) lands here, before anything is sent; then count what was delivered
+        await asyncio.sleep(0)
         seen = _cancelling(task)
         held = False  # a cancel held back by a commit, to deliver at the end
         reply: Any = None

@@ -17,6 +17,7 @@ import numpy as np
 import redis
 
 from .. import _admin, _retry
+from .._connection import is_cluster
 from .._errors import DeadlineExceededError, NotFoundError
 from .._keys import Keys, is_done_mark
 from .._stream import write_parts
@@ -316,13 +317,17 @@ class ParameterServer(_Job):
             for keys, data in parts:
                 write_parts(pipe, keys, data)
             pipe.execute()
+            cluster = is_cluster(self.redis)
             pipe = self.redis.pipeline(transaction=True)
             pipe.hset(self.keys.params, mapping=mapping)
-            pipe.publish(self.keys.channel, str(self._step))
+            if not cluster:
+                pipe.publish(self.keys.channel, str(self._step))
             for i in range(0, len(old_keys), 500):
                 for key in old_keys[i : i + 500]:
                     pipe.pexpire(key, _OLD_VERSION_MS)
             pipe.execute()
+            if cluster:  # a cluster transaction carries no PUBLISH: the hint follows it
+                self.redis.publish(self.keys.channel, str(self._step))
 
         self._io("publishing", publish)
         self._published_version = (run, step)

@@ -1,0 +1,128 @@
+"""Redis Cluster: a local cluster of 3 primaries and 3 replicas (``accumulator.testing.
+LocalCluster``); the accumulators, the module-level functions, the CLI and the sync helper
+through a ``redis.cluster.RedisCluster`` client and a ``redis+cluster://`` URL."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+import accumulator
+from accumulator import _admin
+from accumulator._cli import main as cli_main
+from accumulator.sync import ParameterServer, Worker
+from accumulator.testing import LocalCluster, find_server_binary
+
+pytestmark = pytest.mark.real
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[LocalCluster]:
+    if find_server_binary() is None:
+        pytest.skip("no redis-server binary (scripts/test.sh installs one)")
+    with LocalCluster(primaries=3, replicas_each=1) as nodes:
+        yield nodes
+
+
+@pytest.fixture(params=["client", "url"])
+def client(request, cluster):
+    cluster.client().flushall()
+    if request.param == "url":
+        return "redis+cluster://127.0.0.1:%d" % cluster.servers[0].port
+    return cluster.client()
+
+
+@pytest.mark.parametrize("shape", [(3,), (700_000,)], ids=["inline", "parts"])
+def test_dense_apply_wait_and_take(client, shape):
+    acc = accumulator.ConditionalAccumulator(np.float32, shape, shared_name="d", client=client)
+    got: list[np.ndarray] = []
+    waiter = threading.Thread(target=lambda: got.append(acc.take_grad(2, timeout=20)))
+    waiter.start()
+    time.sleep(0.3)  # the take waits: woken by the second apply
+    assert acc.apply_grad(np.full(shape, 1.0))
+    assert acc.apply_grad(np.full(shape, 3.0))
+    waiter.join(20)
+    np.testing.assert_array_equal(got[0], np.full(shape, 2.0))
+    assert acc.global_step() == 1
+    assert acc.apply_grad(np.ones(shape), local_step=0) is False  # stale
+    acc.close()
+
+
+def test_sparse(client):
+    acc = accumulator.SparseConditionalAccumulator(np.float32, (10, 2), shared_name="s",
+                                                   client=client)  # fmt: skip
+    assert acc.apply_grad([4, 1], np.ones((2, 2)))
+    assert acc.apply_grad([4], np.full((1, 2), 3.0))
+    taken = acc.take_grad(2)
+    np.testing.assert_array_equal(taken.indices, [1, 4])
+    np.testing.assert_array_equal(taken.values, [[1, 1], [2, 2]])
+    acc.close()
+
+
+def test_one_accumulators_keys_share_one_slot(cluster):
+    r = cluster.client()
+    r.flushall()
+    acc = accumulator.ConditionalAccumulator(np.float32, (700_000,), shared_name="slot",
+                                             client=r)  # fmt: skip
+    acc.apply_grad(np.ones(700_000))
+    keys = list(r.scan_iter(match=acc._keys.pattern))
+    assert len(keys) > 2
+    assert len({r.keyslot(k) for k in keys}) == 1
+    acc.close()
+
+
+def test_functions_and_a_private_accumulator(client, cluster):
+    names = [f"n{i}" for i in range(6)]  # spread over the primaries by their hash tags
+    for name in names:
+        with accumulator.ConditionalAccumulator(np.float32, (1,), shared_name=name,
+                                                container="c", client=client) as acc:  # fmt: skip
+            acc.apply_grad([1.0])
+    listed = accumulator.list_accumulators("c", client=client)
+    assert [info.shared_name for info in listed] == names
+    r = cluster.client()
+    assert _admin.describe(r, "n0", "c").count == 1
+    private = accumulator.ConditionalAccumulator(np.float32, (1,), client=client)
+    private.apply_grad([1.0])
+    pattern = private._keys.pattern
+    private.close()
+    assert not list(r.scan_iter(match=pattern))
+    assert accumulator.reset_container("c", client=client) == 6
+    assert accumulator.list_accumulators(client=client) == []
+
+
+def test_the_cli_lists_every_primary(cluster, capsys):
+    cluster.client().flushall()
+    for name in ("a", "b", "c", "d"):
+        with accumulator.ConditionalAccumulator(np.float32, (1,), shared_name=name,
+                                                client=cluster.client()) as acc:  # fmt: skip
+            acc.apply_grad([1.0])
+    url = "redis+cluster://127.0.0.1:%d" % cluster.servers[1].port
+    assert cli_main(["--url", url, "--json", "ls"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert [a["shared_name"] for a in listed["accumulators"]] == ["a", "b", "c", "d"]
+    assert cli_main(["--url", url, "show", "a"]) == 0
+
+
+def test_the_sync_helper(client):
+    ps = ParameterServer("job", replicas_to_aggregate=2, client=client)
+    ps.initialize({"w": np.zeros(3, np.float32)})
+    workers = [Worker("job", client=client) for _ in range(2)]
+    for w in workers:
+        step, params = w.pull(timeout=10)
+        w.push(step, {"w": np.ones(3, np.float32)})
+    ps.step(0.5, timeout=10)
+    step, params = workers[0].pull(after=0, timeout=10)
+    np.testing.assert_array_equal(params["w"], np.full(3, -0.5))
+    for w in workers:
+        w.close()
+    ps.close()
+
+
+def test_durability_settings_are_refused_on_a_cluster(client):
+    with pytest.raises(accumulator.InvalidArgumentError, match="not supported on Redis Cluster"):
+        accumulator.ConditionalAccumulator(np.float32, (1,), client=client, min_replicas=1)
