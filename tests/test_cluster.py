@@ -33,7 +33,7 @@ def cluster() -> Iterator[LocalCluster]:
 def client(request, cluster):
     cluster.client().flushall()
     if request.param == "url":
-        return "redis+cluster://127.0.0.1:%d" % cluster.servers[0].port
+        return f"redis+cluster://127.0.0.1:{cluster.servers[0].port}"
     return cluster.client()
 
 
@@ -101,7 +101,7 @@ def test_the_cli_lists_every_primary(cluster, capsys):
         with accumulator.ConditionalAccumulator(np.float32, (1,), shared_name=name,
                                                 client=cluster.client()) as acc:  # fmt: skip
             acc.apply_grad([1.0])
-    url = "redis+cluster://127.0.0.1:%d" % cluster.servers[1].port
+    url = f"redis+cluster://127.0.0.1:{cluster.servers[1].port}"
     assert cli_main(["--url", url, "--json", "ls"]) == 0
     listed = json.loads(capsys.readouterr().out)
     assert [a["shared_name"] for a in listed["accumulators"]] == ["a", "b", "c", "d"]

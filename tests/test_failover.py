@@ -30,7 +30,8 @@ def test_failover_drill(tmp_path, min_replicas):
         pytest.skip("no redis-server binary (scripts/test.sh installs one)")
     config = DrillConfig(
         name=f"failover-{min_replicas}", width=6000, seconds=SECONDS, workers=3, block=500,
-        pace=0.02, faults=("failover", "failover", "kill_worker", "kill_taker"), fault_gap=(2.0, 4.0),
+        pace=0.02, faults=("failover", "failover", "kill_worker", "kill_taker"),
+        fault_gap=(2.0, 4.0),
         redis_down=(0.0, 1.0), min_replicas=min_replicas, seed=11 + min_replicas,
     )  # fmt: skip
     run_dir = tmp_path / "run"
