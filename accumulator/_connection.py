@@ -96,21 +96,29 @@ class Connections:
 
     def close(self) -> None:
         """Release this share (once); the pools close with the last share."""
-        with _LOCK:
-            if self._released:
-                return
-            self._released = True
-            entry = _SHARED.get(self._key) if self._key is not None else None
-            if entry is not None and entry.commands is self.commands:
-                entry.users -= 1
-                if entry.users > 0:
-                    return
-                del _SHARED[self._key]
+        if not release(self, _SHARED, _LOCK):
+            return
         for client in (self.blocking, self.commands):
             client.close()  # a client given its pool leaves the pool open: close that too
             pool = getattr(client, "connection_pool", None)  # a cluster client has none
             if pool is not None:
                 pool.disconnect()
+
+
+def release(share: Any, registry: dict[object, Any], lock: threading.Lock) -> bool:
+    """Release one share (``_key``, ``commands``, ``_released``) of the shared clients in
+    ``registry`` (once): True when it was the last, and the clients are to be closed."""
+    with lock:
+        if share._released:
+            return False
+        share._released = True
+        entry = registry.get(share._key) if share._key is not None else None
+        if entry is not None and entry.commands is share.commands:
+            entry.users -= 1
+            if entry.users > 0:
+                return False
+            del registry[share._key]
+    return True
 
 
 @dataclass

@@ -15,7 +15,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff
 
-from .._connection import SOCKET_TIMEOUT, WAIT_SLICE, default_url, url_options
+from .._connection import SOCKET_TIMEOUT, WAIT_SLICE, default_url, release, url_options
 
 
 @dataclass
@@ -29,16 +29,8 @@ class AsyncConnections:
 
     async def close(self) -> None:
         """Release this share (once); the pools close with the last share."""
-        with _LOCK:
-            if self._released:
-                return
-            self._released = True
-            entry = _SHARED.get(self._key)
-            if entry is not None and entry.commands is self.commands:
-                entry.users -= 1
-                if entry.users > 0:
-                    return
-                del _SHARED[self._key]
+        if not release(self, _SHARED, _LOCK):
+            return
         for client in (self.blocking, self.commands):
             await client.aclose()
             await client.connection_pool.disconnect()
