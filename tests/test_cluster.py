@@ -5,6 +5,8 @@ through a ``redis.cluster.RedisCluster`` client and a ``redis+cluster://`` URL."
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -126,3 +128,12 @@ def test_the_sync_helper(client):
 def test_durability_settings_are_refused_on_a_cluster(client):
     with pytest.raises(accumulator.InvalidArgumentError, match="not supported on Redis Cluster"):
         accumulator.ConditionalAccumulator(np.float32, (1,), client=client, min_replicas=1)
+
+
+def test_the_demo_runs_on_a_cluster_url(cluster):
+    cluster.client().flushall()
+    url = f"redis+cluster://127.0.0.1:{cluster.servers[2].port}"
+    command = [sys.executable, "-m", "accumulator", "demo", "--url", url, "--steps", "30"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "30 takes" in done.stdout
