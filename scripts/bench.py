@@ -551,6 +551,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--tf-python", metavar="PATH",
                         help="a Python with tensorflow: TF's parameter server step measured in "
                         "the same run, printed as ratios")  # fmt: skip
+    parser.add_argument("--cluster", action="store_true",
+                        help="also: aggregate applies/s over 64 accumulators on 1 vs 3 primaries "
+                        "(scripts/_cluster_bench.py)")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
     args = parser.parse_args(argv)
     if args.repeat is None:
@@ -628,6 +631,12 @@ def main(argv: list[str] | None = None) -> int:
         steps_main(["--runs", "3" if args.quick else "7", *(["--large"] if args.large else []),
                     *(["--tf-python", args.tf_python] if args.tf_python else []),
                     *(["-q"] if args.quiet else [])])  # fmt: skip
+    if args.cluster and not args.url:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from _cluster_bench import main as cluster_main
+
+        print()
+        cluster_main(["--seconds", "3" if args.quick else "5"])
     return 0 if all(r.passed for r in rows) else 1
 
 

@@ -1,0 +1,83 @@
+"""One server against a Redis Cluster (``scripts/bench.py --cluster``): aggregate applies/s
+of client processes spread over 64 accumulators, on 1 primary and on 3 primaries (a
+``LocalCluster`` without replicas), same run. Each accumulator lives in one slot, so many
+accumulators spread over the primaries; one accumulator's bytes do not (yet).
+
+On a machine with fewer cores than servers plus clients, the primaries share the cores:
+the ratio then shows the cost of the cluster client, not the gain of more CPUs."""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+N_ACCUMULATORS = 64
+GRAD_ELEMENTS = 1024  # 4 KiB of float32
+
+
+def _client(spec: str) -> Any:
+    return spec  # a URL: redis:// for the single server, redis+cluster:// for the cluster
+
+
+def _worker(spec: str, seconds: float, seed: int, out: Any) -> None:
+    import accumulator
+
+    rng = np.random.default_rng(seed)
+    accs = [accumulator.ConditionalAccumulator(np.float32, (GRAD_ELEMENTS,),
+                                               shared_name=f"bench-{i}", client=_client(spec))
+            for i in range(N_ACCUMULATORS)]  # fmt: skip
+    grad = rng.standard_normal(GRAD_ELEMENTS).astype(np.float32)
+    n = 0
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        acc = accs[int(rng.integers(N_ACCUMULATORS))]
+        acc.apply_grad(grad, local_step=0)
+        n += 1
+        if n % 200 == 0:  # keep the rounds small: take what is there now and then
+            pending = acc.num_accumulated()
+            if pending:
+                acc.take_grad(pending, timeout=5)
+    out.put(n)
+
+
+def applies_per_second(spec: str, processes: int, seconds: float) -> float:
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(spec, seconds, i, out)) for i in range(processes)]
+    for p in procs:
+        p.start()
+    total = sum(out.get(timeout=seconds + 120) for _ in procs)
+    for p in procs:
+        p.join(30)
+    return total / seconds
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--processes", type=int, default=4)
+    parser.add_argument("--seconds", type=float, default=5.0)
+    args = parser.parse_args(argv)
+    from accumulator.testing import LocalCluster, RedisServer
+
+    with RedisServer(module=False) as single, LocalCluster(3, 0) as cluster:
+        specs = {"1 primary": single.url,
+                 "3 primaries": f"redis+cluster://127.0.0.1:{cluster.servers[0].port}"}  # fmt: skip
+        rates: dict[str, list[float]] = {k: [] for k in specs}
+        for _ in range(2):  # alternate, twice: noise hits both alike
+            for name, spec in specs.items():
+                rates[name].append(applies_per_second(spec, args.processes, args.seconds))
+    one, three = (max(rates[k]) for k in specs)
+    print(f"cluster: aggregate applies/s over {N_ACCUMULATORS} accumulators, 4 KiB gradients, "
+          f"{args.processes} client processes, {args.seconds:g} s (best of 2)")  # fmt: skip
+    print(f"  1 primary:   {one:9.0f} applies/s")
+    print(f"  3 primaries: {three:9.0f} applies/s   ratio {three / one:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
