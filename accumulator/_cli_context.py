@@ -20,7 +20,7 @@ from redis.cluster import RedisCluster
 from redis.connection import SSLConnection, UnixDomainSocketConnection, parse_url
 from redis.retry import Retry
 
-from ._connection import cluster_url
+from ._connection import cluster_url, sentinel_client
 from ._redact import redact_url, url_secrets
 
 EXIT_OK = 0
@@ -197,6 +197,11 @@ class Context:
             # the admin functions use only what both clients serve (keys route by slot)
             self._client = cast(redis.Redis, cluster)
             return self._client
+        managed = sentinel_client(self.url)
+        if managed is not None:  # redis+sentinel://: the primary the Sentinels name
+            managed.ping()
+            self._client = managed
+            return managed
         pool = redis.ConnectionPool(**self.connection_options())
         try:  # a connection object checks the options without connecting
             pool.connection_class(**pool.connection_kwargs)

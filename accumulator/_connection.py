@@ -319,13 +319,52 @@ def _cluster(client: RedisCluster | str, socket_timeout: float) -> Any:
     return RedisCluster(startup_nodes=nodes, **kwargs, **settings)
 
 
+def sentinel_client(url: str) -> redis.Redis | None:
+    """The Sentinel-managed client of a ``redis+sentinel://[user:password@]host:port[,host:
+    port...]/service[/db]`` URL (the Sentinels' addresses, then the name they know the
+    primary by; user and password are the primary's), else None. No I/O."""
+    scheme = "redis+sentinel://"
+    if not url.startswith(scheme):
+        return None
+    from urllib.parse import unquote
+
+    from redis.sentinel import Sentinel
+
+    rest = url[len(scheme) :]
+    auth, _, rest = rest.rpartition("@")
+    hosts, _, path = rest.partition("/")
+    parts = [p for p in path.split("/") if p]
+    if not hosts or not parts or len(parts) > 2 or (len(parts) == 2 and not parts[1].isdigit()):
+        raise ValueError("a Sentinel URL is redis+sentinel://host:port[,host:port...]/service[/db]")
+    addresses = []
+    for host in hosts.split(","):
+        name, _, port = host.rpartition(":")
+        if not name or not port.isdigit():
+            raise ValueError(f"a Sentinel address must be host:port, not {host!r}")
+        addresses.append((name, int(port)))
+    user, _, password = auth.partition(":") if ":" in auth else ("", "", auth)
+    options: dict[str, Any] = {"db": int(parts[1]) if len(parts) == 2 else 0,
+                               "socket_timeout": SOCKET_TIMEOUT,
+                               "socket_connect_timeout": CONNECT_TIMEOUT}  # fmt: skip
+    if user:
+        options["username"] = unquote(user)
+    if password:
+        options["password"] = unquote(password)
+    sentinel = Sentinel(addresses, socket_timeout=CONNECT_TIMEOUT)
+    client: redis.Redis = sentinel.master_for(unquote(parts[0]), **options)
+    return client
+
+
 def _new(client: Any) -> tuple[redis.Redis, redis.Redis]:
     plain = cluster_url(client) if isinstance(client, str) else None
     if plain is not None or isinstance(client, RedisCluster):
         source = plain if plain is not None else client
         return (_cluster(source, SOCKET_TIMEOUT),
                 _cluster(source, WAIT_SLICE + max(5.0, SOCKET_TIMEOUT)))  # fmt: skip
-    if isinstance(client, str):
+    managed = sentinel_client(client) if isinstance(client, str) else None
+    if managed is not None:
+        base, owned = managed, True
+    elif isinstance(client, str):
         base, owned = _url_client(client), True
     elif isinstance(client, redis.Redis):
         base, owned = client, False

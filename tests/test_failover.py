@@ -75,3 +75,29 @@ def test_the_readme_failover_example():
         assert group.failover() != old
         assert acc.take_grad(1).tolist() == [1, 1, 1, 1]
         acc.close()
+
+
+@pytest.mark.slow
+def test_a_sentinel_url_reaches_the_primary_from_the_library_the_cli_and_the_demo(capsys):
+    if find_server_binary() is None:
+        pytest.skip("no redis-server binary (scripts/test.sh installs one)")
+    import subprocess
+    import sys
+
+    from accumulator._cli import main as cli_main
+
+    with SentinelGroup(replicas=1) as group:
+        hosts = ",".join(f"127.0.0.1:{port}" for port in group.sentinel_ports)
+        url = f"redis+sentinel://{hosts}/mymaster"
+        with accumulator.ConditionalAccumulator(np.float32, (2,), shared_name="s",
+                                                client=url) as acc:  # fmt: skip
+            acc.apply_grad([1.0, 2.0])
+        assert group.client().exists(acc._keys.state)  # on the primary the Sentinels name
+        assert cli_main(["--url", url, "--json", "ls"]) == 0
+        listed = json.loads(capsys.readouterr().out)
+        assert [a["shared_name"] for a in listed["accumulators"]] == ["s"]
+        command = [sys.executable, "-m", "accumulator", "demo", "--url", url, "--steps", "20"]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+    with pytest.raises(ValueError, match="redis\\+sentinel://host:port"):
+        accumulator.ConditionalAccumulator(np.float32, client="redis+sentinel://h:1")
