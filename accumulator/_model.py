@@ -71,8 +71,8 @@ def server_of(client: Any) -> tuple[Any, ...]:
     once for."""
     pool = getattr(client, "connection_pool", None)
     if pool is None:  # a cluster client: the node it was started from
-        node = client.get_default_node()
-        return (node.host, node.port, None, 0)
+        node = client.get_default_node() or next(iter(getattr(client, "startup_nodes", [])), None)
+        return (getattr(node, "host", None), getattr(node, "port", None), None, 0)
     kwargs = pool.connection_kwargs
     return (kwargs.get("host"), kwargs.get("port"), kwargs.get("path"), kwargs.get("db"))
 

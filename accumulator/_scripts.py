@@ -110,9 +110,18 @@ async def acall(client: Any, name: str, keys: Sequence[str | bytes], args: Seque
             return command
         reply, error = None, None
         try:
-            reply = await client.execute_command(*command)
+            reply = await execute_async(client, command)
         except ResponseError as exc:
             error = exc
+
+
+async def execute_async(client: Any, command: Sequence[Any]) -> Any:
+    """``await client.execute_command(*command)``; SCRIPT LOAD through ``script_load``, which
+    an asyncio cluster client sends to every primary (its ``execute_command`` cannot route
+    it)."""
+    if tuple(command[:2]) == ("SCRIPT", "LOAD"):
+        return await client.script_load(command[2])
+    return await client.execute_command(*command)
 
 
 def load_commands() -> list[tuple[Any, ...]]:

@@ -137,3 +137,39 @@ def test_the_demo_runs_on_a_cluster_url(cluster):
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "30 takes" in done.stdout
+
+
+@pytest.mark.parametrize("form", ["client", "url"])
+def test_the_asyncio_twin_on_a_cluster(cluster, form):
+    import asyncio
+
+    import redis.asyncio.cluster
+
+    from accumulator import aio
+
+    cluster.client().flushall()
+    port = cluster.servers[0].port
+
+    async def main() -> None:
+        client = (redis.asyncio.cluster.RedisCluster(host="127.0.0.1", port=port)
+                  if form == "client" else f"redis+cluster://127.0.0.1:{port}")  # fmt: skip
+        async with aio.ConditionalAccumulator(np.float32, (700_000,), shared_name="a",
+                                              client=client) as acc:  # fmt: skip
+            waiting = asyncio.create_task(acc.take_grad(2, timeout=20))
+            await asyncio.sleep(0.3)
+            await asyncio.gather(acc.apply_grad(np.ones(700_000)),
+                                 acc.apply_grad(np.full(700_000, 3.0)))  # fmt: skip
+            np.testing.assert_array_equal(await waiting, np.full(700_000, 2.0))
+            cancelled = asyncio.create_task(acc.take_grad(1))
+            await asyncio.sleep(0.3)
+            cancelled.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await cancelled
+            await acc.apply_grad(np.ones(700_000), local_step=1)
+            assert await acc.num_accumulated() == 1
+        with pytest.raises(accumulator.InvalidArgumentError, match="Redis Cluster"):
+            await aio.ConditionalAccumulator(np.float32, (1,), client=client, min_replicas=1)
+        if form == "client":
+            await client.aclose()
+
+    asyncio.run(main())

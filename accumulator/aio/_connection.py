@@ -12,10 +12,19 @@ from typing import Any
 
 import redis
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff
 
-from .._connection import SOCKET_TIMEOUT, WAIT_SLICE, default_url, release, url_options
+from .._connection import (
+    CONNECT_TIMEOUT,
+    SOCKET_TIMEOUT,
+    WAIT_SLICE,
+    cluster_url,
+    default_url,
+    release,
+    url_options,
+)
 
 
 @dataclass
@@ -33,7 +42,9 @@ class AsyncConnections:
             return
         for client in (self.blocking, self.commands):
             await client.aclose()
-            await client.connection_pool.disconnect()
+            pool = getattr(client, "connection_pool", None)  # a cluster client has none
+            if pool is not None:
+                await pool.disconnect()
 
 
 @dataclass
@@ -58,9 +69,10 @@ def _retry() -> Retry:
 def _check_client(client: object) -> None:
     if isinstance(client, redis.Redis) or hasattr(client, "nodes_manager"):
         raise TypeError(
-            f"{type(client).__module__}.{type(client).__name__} is a synchronous (or cluster) "
-            "client; accumulator.aio's classes take a redis.asyncio.Redis client or a URL "
-            "(accumulator.ConditionalAccumulator takes a redis.Redis)"
+            f"{type(client).__module__}.{type(client).__name__} is a synchronous client; "
+            "accumulator.aio's classes take a redis.asyncio.Redis, a "
+            "redis.asyncio.cluster.RedisCluster or a URL (accumulator.ConditionalAccumulator "
+            "takes a redis.Redis)"
         )
     raise TypeError(
         f"client must be a redis.asyncio.Redis, a URL or None, not {type(client).__name__}"
@@ -84,6 +96,29 @@ def _derive(pool: Any, *, limit: bool, socket_timeout: float) -> aioredis.Redis:
     return aioredis.Redis(connection_pool=new_pool)
 
 
+def is_cluster(client: Any) -> bool:
+    """Whether an asyncio client talks to a Redis Cluster."""
+    return isinstance(client, AsyncRedisCluster)
+
+
+def _cluster(client: Any, socket_timeout: float) -> Any:
+    """An asyncio cluster client like the one given (its nodes and credentials; a URL's),
+    replying bytes, with our timeouts."""
+    settings: dict[str, Any] = dict(decode_responses=False, socket_timeout=socket_timeout,
+                                    socket_connect_timeout=CONNECT_TIMEOUT)  # fmt: skip
+    if isinstance(client, str):
+        return AsyncRedisCluster.from_url(client, **settings)
+    from redis.asyncio.cluster import ClusterNode
+
+    kwargs: dict[str, Any] = {k: v for k, v in client.connection_kwargs.items()
+                              if k in ("username", "password", "ssl", "ssl_ca_certs",
+                                       "ssl_certfile", "ssl_keyfile", "client_name")}  # fmt: skip
+    nodes = [ClusterNode(n.host, n.port) for n in client.get_nodes()] or [
+        ClusterNode(n.host, n.port) for n in client.startup_nodes
+    ]  # fmt: skip
+    return AsyncRedisCluster(startup_nodes=nodes, **kwargs, **settings)
+
+
 def _url_client(url: str) -> aioredis.Redis:
     return aioredis.Redis.from_url(url, retry=_retry(), **url_options(url))
 
@@ -98,17 +133,27 @@ def connect(client: aioredis.Redis | str | None) -> AsyncConnections:
         key: object = ("url", hashlib.sha256(client.encode()).hexdigest())
     elif isinstance(client, aioredis.Redis):
         key = ("pool", id(client.connection_pool))
+    elif isinstance(client, AsyncRedisCluster):
+        key = ("cluster", id(client))
     else:
         _check_client(client)
         raise AssertionError  # _check_client raised
     loop = asyncio.get_running_loop()
     key = (key, id(loop))
-    origin: object = None if isinstance(client, str) else client.connection_pool
+    origin: object = None if isinstance(client, str) else getattr(client, "connection_pool",
+                                                                 client)  # fmt: skip
     with _LOCK:
         entry = _SHARED.get(key)
         if entry is not None and entry.origin is origin and entry.loop is loop:
             entry.users += 1
             return AsyncConnections(entry.commands, entry.blocking, key)
+        plain = cluster_url(client) if isinstance(client, str) else None
+        if plain is not None or isinstance(client, AsyncRedisCluster):
+            source = plain if plain is not None else client
+            commands = _cluster(source, SOCKET_TIMEOUT)
+            blocking = _cluster(source, WAIT_SLICE + max(5.0, SOCKET_TIMEOUT))
+            _SHARED[key] = _Entry(commands, blocking, 1, origin, loop)
+            return AsyncConnections(commands, blocking, key)
         base = _url_client(client) if isinstance(client, str) else client
         pool = base.connection_pool
         timeout = pool.connection_kwargs.get("socket_timeout") or SOCKET_TIMEOUT

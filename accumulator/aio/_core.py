@@ -11,10 +11,11 @@ from typing import Any, TypeVar
 
 import redis
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.exceptions import NoScriptError
 
 from .. import _retry, _scripts
-from .._errors import CancelledError
+from .._errors import CancelledError, InvalidArgumentError
 from .._model import AccumulatorModel, server_of
 from .._requests import (
     Batch,
@@ -29,7 +30,7 @@ from .._requests import (
     Unsubscribe,
     advance,
 )
-from ._connection import AsyncConnections, connect
+from ._connection import AsyncConnections, connect, is_cluster
 
 logger = logging.getLogger("accumulator")
 
@@ -91,7 +92,7 @@ class AccumulatorBase(AccumulatorModel):
     ) -> None:
         self._setup(dtype, shape, shared_name, name, reduction_type, container,
                     max_pending_bytes, sum_in_redis, min_replicas, wait_aof)  # fmt: skip
-        if not (client is None or isinstance(client, (str, aioredis.Redis))):
+        if not (client is None or isinstance(client, (str, aioredis.Redis, AsyncRedisCluster))):
             from ._connection import _check_client
 
             _check_client(client)
@@ -120,6 +121,11 @@ class AccumulatorBase(AccumulatorModel):
         async with self._opening:
             if self._conns is None:
                 conns = connect(self._client)
+                if is_cluster(conns.commands) and self._durability() is not None:
+                    await conns.close()
+                    raise InvalidArgumentError(
+                        "min_replicas/wait_aof are not supported on Redis Cluster yet"
+                    )
                 try:
                     await self._drive(conns, self._open_ops(server_of(conns.commands)))
                 except BaseException:
@@ -253,6 +259,9 @@ class AccumulatorBase(AccumulatorModel):
         if isinstance(request, Receive):
             return None  # no zero-copy receive here: the protocol reads the ordinary way
         if isinstance(request, Pop):
+            if is_cluster(conns.blocking):  # routed by key; short slices keep it closable
+                blocking, key, seconds = conns.blocking, request.key, min(request.timeout, 0.5)
+                return await self._wait(lambda: blocking.blpop([key], seconds))
             return await self._wait(lambda: self._blpop(conns.blocking, request.key,
                                                         request.timeout))  # fmt: skip
         if isinstance(request, Subscribe):
@@ -273,6 +282,9 @@ class AccumulatorBase(AccumulatorModel):
 
     async def _batch(self, commands: aioredis.Redis, request: Batch) -> list[Any]:
         async def send() -> list[Any]:
+            if is_cluster(commands) and all(c[0] == "SCRIPT" for c in request.commands):
+                return [await _each(commands, c, request.raise_on_error)
+                        for c in request.commands]  # fmt: skip
             pipe = commands.pipeline(transaction=False)
             for command in request.commands:
                 pipe.execute_command(*command)
@@ -283,10 +295,8 @@ class AccumulatorBase(AccumulatorModel):
         except NoScriptError:
             replies = [NoScriptError()]
         if any(isinstance(r, NoScriptError) for r in replies):
-            pipe = commands.pipeline(transaction=False)
-            for command in _scripts.load_commands():
-                pipe.execute_command(*command)
-            _scripts.check_loaded(await pipe.execute(raise_on_error=False))
+            load = Batch(request.what, _scripts.load_commands(), raise_on_error=False)
+            _scripts.check_loaded(await self._batch(commands, load))
             replies = await send()
         return replies
 
@@ -352,3 +362,14 @@ class AccumulatorBase(AccumulatorModel):
             logger.debug("wait on %s interrupted: %s", self._keys.base, exc)
             await asyncio.sleep(0.05)  # a refused reconnect fails at once: do not spin
             return False
+
+
+async def _each(client: Any, command: tuple[Any, ...], raise_on_error: bool) -> Any:
+    """One command of a batch that a cluster pipeline cannot route (SCRIPT LOAD: every
+    primary); its error as the reply unless ``raise_on_error``."""
+    try:
+        return await _scripts.execute_async(client, command)
+    except redis.ResponseError as exc:
+        if raise_on_error:
+            raise
+        return exc
