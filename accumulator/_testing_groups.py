@@ -239,10 +239,20 @@ class SentinelGroup(ReplicaSet):
         # failover never promotes it empty
         client = crashed.client(socket_timeout=1)
         client.replicaof(_HOST, new)
-        _wait(f"server on port {crashed.port} synced as a replica of port {new}",
-              lambda: _synced_to(client.info("replication"), new), timeout)  # fmt: skip
+        asked = [time.monotonic(), new]
+
+        def synced() -> bool:
+            # follow the primary the Sentinels name now (they may have moved on), asking the
+            # server again every 5 s (a REPLICAOF can be lost to a Sentinel's reconfiguring)
+            current = self.current_primary_port()
+            if current != asked[1] or time.monotonic() - asked[0] > 5:
+                client.replicaof(_HOST, current)
+                asked[:] = [time.monotonic(), current]
+            return _synced_to(client.info("replication"), current)
+
+        _wait(f"server on port {crashed.port} synced as a replica", synced, 2 * timeout)
         client.close()
-        return new
+        return self.current_primary_port()
 
     def stop(self) -> None:
         """Stop the Sentinels and the servers."""
