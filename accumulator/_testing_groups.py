@@ -190,15 +190,37 @@ class SentinelGroup(ReplicaSet):
         return int(self.sentinel().discover_master(SERVICE)[1])
 
     def wait_for_failover(self, old_port: int, timeout: float = 30.0) -> int:
-        """Wait until the Sentinels name a primary other than ``old_port``, and it accepts
-        writes; returns its port."""
-        _wait("a failover", lambda: self.current_primary_port() != old_port, timeout)
-        port = self.current_primary_port()
+        """Wait until every Sentinel names one primary other than ``old_port``, and it
+        accepts writes; returns its port. (Every Sentinel: a client asking one that has not
+        heard of the failover yet would be sent to the old address, where the crashed server
+        may come back empty.)"""
+        agreed: list[int | None] = [None]
+
+        def moved() -> bool:
+            agreed[0] = self._agreed_primary()
+            return agreed[0] not in (None, old_port)
+
+        _wait("a failover", moved, timeout)
+        port = agreed[0]
+        assert port is not None
         primary = redis.Redis(host=_HOST, port=port, socket_timeout=1)
         _wait("the promoted replica taking writes",
               lambda: primary.info("replication").get("role") == "master", timeout)  # fmt: skip
         primary.close()
         return port
+
+    def _agreed_primary(self) -> int | None:
+        """The primary's port if every Sentinel names the same one, else None."""
+        ports = set()
+        for port in self.sentinel_ports:
+            one = redis.Redis(host=_HOST, port=port, socket_timeout=1)
+            try:
+                ports.add(int(one.sentinel_get_master_addr_by_name(SERVICE)[1]))
+            except (redis.RedisError, TypeError, IndexError):
+                return None
+            finally:
+                one.close()
+        return ports.pop() if len(ports) == 1 else None
 
     def server_on(self, port: int) -> RedisServer:
         """The group's server listening on ``port``."""
