@@ -215,7 +215,8 @@ class SentinelGroup(ReplicaSet):
         for port in self.sentinel_ports:
             one = redis.Redis(host=_HOST, port=port, socket_timeout=1)
             try:
-                ports.add(int(one.sentinel_get_master_addr_by_name(SERVICE)[1]))
+                address: Any = one.sentinel_get_master_addr_by_name(SERVICE)
+                ports.add(int(address[1]))
             except (redis.RedisError, TypeError, IndexError):
                 return None
             finally:
