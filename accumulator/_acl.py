@@ -54,10 +54,19 @@ ROLES: dict[str, str] = {
 MODULE_RULES = "+acc.add +acc.ping"
 
 
+#: What every role also needs on a Redis Cluster: redis-py's cluster client reads the slot
+#: map (CLUSTER SLOTS, on start and after a MOVED) and the commands' key positions (COMMAND),
+#: and follows a slot migration's ASK redirects (ASKING). Set the user on every node.
+CLUSTER_RULES = "+cluster|slots +cluster|shards +command +asking"
+
+
 def setuser_command(
-    role: str, user: str = "", password: str = "PASSWORD", *, module: bool = False
-) -> str:
+    role: str, user: str = "", password: str = "PASSWORD", *, module: bool = False,
+    cluster: bool = False,
+) -> str:  # fmt: skip
     """The ``ACL SETUSER`` line for a role, as the README prints it; ``module`` adds what a
-    server running the accsum module needs (worker and sync roles)."""
+    server running the accsum module needs (worker and sync roles), ``cluster`` what a Redis
+    Cluster's clients need."""
     rules = ROLES[role] + (f" {MODULE_RULES}" if module and role != "viewer" else "")
+    rules += f" {CLUSTER_RULES}" if cluster else ""
     return f"ACL SETUSER {user or 'acc-' + role} on >{password} {rules}"

@@ -8,7 +8,7 @@ import inspect
 import os
 import threading
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, TypeAlias, cast
 
 import redis
 from redis.backoff import ExponentialWithJitterBackoff
@@ -228,6 +228,22 @@ def twin_client(client: Any) -> redis.Redis:
     return redis.Redis(connection_pool=new_pool)
 
 
+def twin_cluster(client: Any) -> RedisCluster:
+    """A redis-py cluster client of the cluster that a ``redis.asyncio.cluster.RedisCluster``
+    talks to: its nodes (those it knows, else its start-up nodes) and credentials."""
+    from redis.cluster import ClusterNode
+
+    nodes = client.get_nodes() or list(client.nodes_manager.startup_nodes.values())
+    kwargs = {k: v for k, v in client.connection_kwargs.items()
+              if k in ("username", "password", "client_name", "protocol", "socket_timeout",
+                       "socket_connect_timeout")}  # fmt: skip
+    if client.connection_kwargs.get("connection_class") is not None and "SSL" in getattr(
+        client.connection_kwargs["connection_class"], "__name__", ""
+    ):
+        kwargs["ssl"] = True
+    return RedisCluster(startup_nodes=[ClusterNode(n.host, n.port) for n in nodes], **kwargs)
+
+
 def _is_valkey(client: object) -> bool:
     kind = type(client)
     return kind.__module__.split(".")[0] == "valkey" and kind.__name__ in ("Valkey", "StrictValkey")
@@ -251,7 +267,7 @@ def _url_client(url: str) -> redis.Redis:
     return redis.Redis.from_url(url, retry=_retry(), **url_options(url))
 
 
-def connect(client: redis.Redis | str | None) -> Connections:
+def connect(client: Client) -> Connections:
     """The clients for a URL, for an existing ``redis.Redis`` or ``valkey.Valkey`` (its
     settings are kept: server, credentials, TLS, pool class and ``max_connections``), or for
     the default URL. Replies are always bytes; the command packer is ours.
@@ -290,6 +306,10 @@ def connect(client: redis.Redis | str | None) -> Connections:
     return Connections(entry.commands, entry.blocking, key)
 
 
+#: What ``client=`` accepts: a client, a cluster client, a URL, or None (the default URL).
+Client: TypeAlias = "redis.Redis | RedisCluster | str | None"
+
+
 def is_cluster(client: Any) -> bool:
     """Whether a client talks to a Redis Cluster (``redis.cluster.RedisCluster``)."""
     return isinstance(client, RedisCluster)
@@ -309,14 +329,38 @@ def _cluster(client: RedisCluster | str, socket_timeout: float) -> Any:
     settings: dict[str, Any] = dict(decode_responses=False, socket_timeout=socket_timeout,
                                     socket_connect_timeout=CONNECT_TIMEOUT)  # fmt: skip
     if isinstance(client, str):
-        return RedisCluster.from_url(client, **settings)
+        return _zero_copy_nodes(RedisCluster.from_url(client, **settings))
     from redis.cluster import ClusterNode
 
     kwargs: dict[str, Any] = {k: v for k, v in client.nodes_manager.connection_kwargs.items()
               if k in ("username", "password", "ssl", "ssl_ca_certs", "ssl_certfile",
                        "ssl_keyfile", "ssl_cert_reqs", "client_name", "protocol")}  # fmt: skip
     nodes = [ClusterNode(n.host, n.port) for n in client.get_nodes()]
-    return RedisCluster(startup_nodes=nodes, **kwargs, **settings)
+    return _zero_copy_nodes(RedisCluster(startup_nodes=nodes, **kwargs, **settings))
+
+
+def _zero_copy_nodes(client: RedisCluster) -> RedisCluster:
+    """Our packer (big values sent from the caller's buffer, uncopied) on the connections of
+    every node of our own cluster client, those it knows and those it meets later. redis-py's
+    cluster client has no option for it: its node factory is wrapped (a redis-py without one
+    keeps its own packer, which copies)."""
+    manager = client.nodes_manager
+    create = getattr(manager, "create_redis_node", None)
+    if create is None:
+        return client
+
+    def create_with_packer(*args: Any, **kwargs: Any) -> redis.Redis:
+        node: redis.Redis = create(*args, **kwargs)
+        node.connection_pool.connection_kwargs["command_packer"] = _PACKER  # no connection yet
+        return node
+
+    manager.create_redis_node = create_with_packer  # type: ignore[method-assign]
+    for node in client.get_nodes():
+        if node.redis_connection is not None:
+            pool = node.redis_connection.connection_pool
+            pool.connection_kwargs["command_packer"] = _PACKER
+            pool.disconnect()  # connections made from here on use it
+    return client
 
 
 def sentinel_client(url: str) -> redis.Redis | None:

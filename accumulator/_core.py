@@ -19,7 +19,7 @@ from redis.client import PubSub
 from redis.exceptions import NoScriptError
 
 from . import _protocol, _retry, _scripts
-from ._connection import Connections, connect, is_cluster
+from ._connection import Client, Connections, connect, is_cluster
 from ._errors import CancelledError, InvalidArgumentError
 from ._keys import Keys
 from ._model import AccumulatorModel, server_of
@@ -74,7 +74,7 @@ class AccumulatorBase(AccumulatorModel):
         name: str | None,
         reduction_type: str,
         *,
-        client: redis.Redis | str | None = None,
+        client: Client = None,
         container: str = "",
         max_pending_bytes: int | None = None,
         min_replicas: int = 0,
@@ -178,10 +178,9 @@ class AccumulatorBase(AccumulatorModel):
             return self._io(request.what,
                             lambda: get_into(commands, request.keys, request.outs))  # fmt: skip
         if isinstance(request, Pop):
-            if self._cluster:  # routed by key; close() cannot cut it: short slices
-                blocking = self._conns.blocking
-                return self._wait(blocking.blpop, [request.key], min(request.timeout, 0.5))
-            return self._wait(self._blpop, self._conns.blocking, request.key, request.timeout)
+            # on a cluster, routed by key: close() cannot cut it, so short slices
+            timeout = min(request.timeout, 0.5) if self._cluster else request.timeout
+            return self._wait(self._blpop, self._conns.blocking, request.key, timeout)
         if isinstance(request, Subscribe):
             queue = self._conns.blocking.pubsub(ignore_subscribe_messages=True)
             with self._waits_lock:
@@ -232,7 +231,10 @@ class AccumulatorBase(AccumulatorModel):
 
     def _blpop(self, blocking: Any, key: str, timeout: float) -> None:
         """BLPOP on a connection this accumulator holds for the wait, so that close() from
-        another thread can break it."""
+        another thread can break it (on a cluster, where the key routes it: in short slices)."""
+        if self._cluster:
+            blocking.blpop([key], timeout)
+            return
         pool = blocking.connection_pool
         try:
             conn = pool.get_connection()

@@ -6,7 +6,6 @@ import threading
 from typing import Any
 
 import numpy as np
-import redis
 
 from . import _reduce
 from ._codec import (
@@ -21,6 +20,7 @@ from ._codec import (
     wire_dtype,
     wire_nbytes,
 )
+from ._connection import Client
 from ._core import AccumulatorBase
 from ._errors import InvalidArgumentError
 from ._model import MAX_PAYLOAD_BYTES, AccumulatorModel
@@ -157,7 +157,7 @@ class ConditionalAccumulator(AccumulatorBase, DenseOps):
         name: str = "conditional_accumulator",
         reduction_type: str = "MEAN",
         *,
-        client: redis.Redis | str | None = None,
+        client: Client = None,
         container: str = "",
         max_pending_bytes: int | None = None,
         min_replicas: int = 0,

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import redis
-
 from . import _admin
-from ._connection import connect
+from ._connection import Client, connect
 
 
-def reset_container(container: str, *, client: redis.Redis | str | None = None) -> int:
+def reset_container(container: str, *, client: Client = None) -> int:
     """Delete every accumulator of ``container`` (TF's container reset); returns how many
     accumulators were deleted.
 
@@ -22,7 +20,7 @@ def reset_container(container: str, *, client: redis.Redis | str | None = None) 
 
 
 def list_accumulators(
-    container: str | None = None, *, client: redis.Redis | str | None = None
+    container: str | None = None, *, client: Client = None
 ) -> list[_admin.Info]:
     """Every accumulator (of one container, or of all); what ``accumulator ls`` shows."""
     conns = connect(client)

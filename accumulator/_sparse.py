@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
-import redis
 
 from . import _reduce
 from ._codec import (
@@ -27,6 +26,7 @@ from ._codec import (
     wire_dtype,
     wire_nbytes,
 )
+from ._connection import Client
 from ._core import AccumulatorBase
 from ._errors import InvalidArgumentError
 from ._model import MAX_PAYLOAD_BYTES, AccumulatorModel
@@ -233,7 +233,7 @@ class SparseConditionalAccumulator(AccumulatorBase, SparseOps):
         name: str = "sparse_conditional_accumulator",
         reduction_type: str = "MEAN",
         *,
-        client: redis.Redis | str | None = None,
+        client: Client = None,
         container: str = "",
         max_pending_bytes: int | None = None,
         min_replicas: int = 0,

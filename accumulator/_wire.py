@@ -93,6 +93,8 @@ def get_into(
     """GET every key into its buffer (flat, writable byte views of the expected lengths), in
     one pipeline; per key whether it was there at that length. None: this client cannot be
     read this way (the caller uses redis-py)."""
+    if hasattr(client, "nodes_manager"):  # a redis.cluster.RedisCluster
+        return _cluster_get_into(client, keys, outs)
     pool = getattr(client, "connection_pool", None)
     if pool is None or not keys:
         return None
@@ -121,3 +123,36 @@ def get_into(
         if not clean:
             conn.disconnect()
         pool.release(conn)
+
+
+def _cluster_get_into(
+    client: Any, keys: Sequence[str | bytes], outs: Sequence[memoryview]
+) -> list[bool] | None:
+    """:func:`get_into` on a cluster: one pipeline per primary holding some of the keys, on
+    that node's own client. None (the caller reads through redis-py's cluster client, which
+    follows redirects and failovers) when a slot is moving or a node is unreachable."""
+    by_node: dict[str, list[int]] = {}
+    nodes: dict[str, Any] = {}
+    try:
+        for i, key in enumerate(keys):
+            node = client.nodes_manager.get_node_from_slot(client.keyslot(key))
+            by_node.setdefault(node.name, []).append(i)
+            nodes[node.name] = node
+    except (redis.RedisError, KeyError, IndexError):
+        return None
+    found: list[bool] = [False] * len(keys)
+    for name, indices in by_node.items():
+        node_client = client.get_redis_connection(nodes[name])
+        try:
+            got = get_into(node_client, [keys[i] for i in indices], [outs[i] for i in indices])
+        except redis.ResponseError as exc:
+            if str(exc).split(" ", 1)[0] in ("MOVED", "ASK", "TRYAGAIN", "CLUSTERDOWN"):
+                return None
+            raise
+        except redis.ConnectionError:
+            return None
+        if got is None:
+            return None
+        for i, ok in zip(indices, got, strict=True):
+            found[i] = ok
+    return found

@@ -12,9 +12,33 @@ import numpy as np
 import pytest
 
 from accumulator import AccumulatorBase, InvalidArgumentError
+from accumulator._connection import cluster_url
 
 #: How long something that should happen promptly may take (generous: 2 shared cores).
 PROMPT = 5.0
+
+
+def connect(url: str, **kwargs: Any) -> Any:
+    """A plain client of a test server's URL: a ``RedisCluster`` for a ``redis+cluster://``
+    one (commands for every node take ``target_nodes="all"``)."""
+    import redis
+    from redis.cluster import RedisCluster
+
+    plain = cluster_url(url)
+    if plain:
+        return RedisCluster.from_url(plain, **kwargs)
+    return redis.Redis.from_url(url, **kwargs)
+
+
+def aconnect(url: str, **kwargs: Any) -> Any:
+    """:func:`connect`'s asyncio twin."""
+    import redis.asyncio as aioredis
+    from redis.asyncio.cluster import RedisCluster
+
+    plain = cluster_url(url)
+    if plain:
+        return RedisCluster.from_url(plain, **kwargs)
+    return aioredis.Redis.from_url(url, **kwargs)
 
 
 def expected_mean(acc: np.ndarray, n: int, dtype: np.dtype) -> np.ndarray:

@@ -1,6 +1,8 @@
-"""One suite, two backends: every test taking ``target`` runs on fakeredis (in-process) and on
-a real redis-server started for the session on a free loopback port (or on ``REDIS_URL`` when
-given: that server is FLUSHDB'ed between tests, so point it at a scratch database)."""
+"""One suite, four backends: every test taking ``target`` runs on fakeredis (in-process), on a
+real redis-server started for the session on a free loopback port (or on ``REDIS_URL`` when
+given: that server is FLUSHDB'ed between tests, so point it at a scratch database), on one
+running our module, and on a local Redis Cluster of 3 primaries and 3 replicas (or on
+``REDIS_CLUSTER_URL``, a ``redis+cluster://`` URL of a scratch cluster)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import pytest
 import redis
 
 from accumulator import _module
-from accumulator.testing import RedisServer, find_server_binary
+from accumulator.testing import LocalCluster, RedisServer, find_server_binary
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -39,7 +41,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 class Target:
     """Where a test's accumulators live. ``client()`` gives a fresh handle to the same data."""
 
-    kind: str  # "fake" | "real" | "module" (a real server running our Redis module)
+    kind: str  # "fake" | "real" | "module" (a real server running our Redis module) | "cluster"
     url: str | None = None
     server: RedisServer | None = None  # only when the session started it (fault tests)
     _fake_server: Any = field(default=None, repr=False)
@@ -52,9 +54,15 @@ class Target:
         assert self.url is not None
         return self.url
 
-    def redis(self) -> redis.Redis:
-        """A plain client for assertions about keys."""
+    def redis(self) -> Any:
+        """A plain client for assertions about keys (a ``RedisCluster`` on the cluster)."""
         client = self.client()
+        if self.kind == "cluster":
+            from redis.cluster import RedisCluster
+
+            from accumulator._connection import cluster_url
+
+            return RedisCluster.from_url(cluster_url(str(client)) or "")
         return redis.Redis.from_url(client) if isinstance(client, str) else client
 
 
@@ -88,30 +96,53 @@ def module_url() -> Iterator[str]:
         yield server.url
 
 
+@pytest.fixture(scope="session")
+def cluster_url() -> Iterator[str]:
+    """A ``redis+cluster://`` URL of a local cluster (3 primaries, 3 replicas)."""
+    url = os.environ.get("REDIS_CLUSTER_URL")
+    if url:
+        yield url
+        return
+    if os.environ.get("REDIS_URL"):
+        pytest.skip("REDIS_URL given without REDIS_CLUSTER_URL: no cluster")
+    if find_server_binary() is None:
+        pytest.skip("no redis-server binary (scripts/test.sh installs one)")
+    with LocalCluster(primaries=3, replicas_each=1) as cluster:
+        yield f"redis+cluster://127.0.0.1:{cluster.servers[0].port}"
+
+
 def _fresh_real(url: str, kind: str = "real") -> Target:
-    redis.Redis.from_url(url).flushdb()
-    return Target(kind, url=url)
+    target = Target(kind, url=url)
+    if kind == "cluster":
+        target.redis().flushall()  # every primary (replicas follow)
+    else:
+        redis.Redis.from_url(url).flushdb()
+    return target
 
 
-@pytest.fixture(params=["fake", "real", "module"])
+@pytest.fixture(params=["fake", "real", "module", "cluster"])
 def target(request: pytest.FixtureRequest) -> Target:
-    """Every backend: fakeredis, a plain server (the taker sums), and a server with our module
-    (sums kept in Redis)."""
+    """Every backend: fakeredis, a plain server (the taker sums), a server with our module
+    (sums kept in Redis), and a Redis Cluster (the taker sums)."""
     if request.param == "fake":
         import fakeredis
 
         return Target("fake", _fake_server=fakeredis.FakeServer())
     if request.param == "module":
         return _fresh_real(request.getfixturevalue("module_url"), "module")
+    if request.param == "cluster":
+        return _fresh_real(request.getfixturevalue("cluster_url"), "cluster")
     return _fresh_real(request.getfixturevalue("real_url"))
 
 
-@pytest.fixture(params=["real", "module"])
+@pytest.fixture(params=["real", "module", "cluster"])
 def real(request: pytest.FixtureRequest) -> Target:
-    """A real server only (plain, and with our module): multi-process behaviour, INFO, and
-    similar."""
+    """Real servers only (plain, with our module, and a cluster): multi-process behaviour,
+    INFO, and similar."""
     if request.param == "module":
         return _fresh_real(request.getfixturevalue("module_url"), "module")
+    if request.param == "cluster":
+        return _fresh_real(request.getfixturevalue("cluster_url"), "cluster")
     return _fresh_real(request.getfixturevalue("real_url"))
 
 

@@ -13,6 +13,7 @@ from urllib.parse import urlsplit, urlunsplit
 import numpy as np
 import pytest
 import redis
+from _helpers import connect
 
 import accumulator
 from accumulator import _acl, _cli
@@ -32,17 +33,20 @@ def acl(real):
     """make(role, rules=None) -> URL of a fresh user with that role's rules (or the given)."""
     admin = real.redis()
     made: list[str] = []
+    # on a cluster: every node has the user, with what a cluster client also needs
+    every: dict = {"target_nodes": "all"} if real.kind == "cluster" else {}
+    extra = f" {_acl.CLUSTER_RULES}" if real.kind == "cluster" else ""
 
     def make(role: str, rules: str | None = None) -> str:
         name = f"test-{role}-{len(made)}"
         admin.execute_command("ACL", "SETUSER", name, "reset", "on", ">pw",
-                              *(rules or _acl.ROLES[role]).split())  # fmt: skip
+                              *((rules or _acl.ROLES[role]) + extra).split(), **every)  # fmt: skip
         made.append(name)
         return user_url(real.url, name, "pw")
 
     yield make
     for name in made:
-        admin.execute_command("ACL", "DELUSER", name)
+        admin.execute_command("ACL", "DELUSER", name, **every)
 
 
 def test_readme_shows_the_exact_rules():
@@ -90,7 +94,7 @@ def test_viewer_role_runs_the_read_only_cli(acl, real):
     assert _cli.main(["--url", url, "reset", "v", "--yes"], stdout=out, stderr=err) != 0
     assert acc.num_accumulated() == 1
     with pytest.raises(redis.exceptions.NoPermissionError):
-        redis.Redis.from_url(url).set("acc:{:v}:s", "x")
+        connect(url).set("acc:{:v}:s", "x")
 
 
 def test_sync_role_runs_a_job(acl):

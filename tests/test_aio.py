@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import redis
 import redis.asyncio as aioredis
+from _helpers import aconnect
 
 import accumulator
 from accumulator import aio
@@ -332,7 +333,7 @@ def test_module_functions(real):
         async with aio.ConditionalAccumulator(np.float32, (1,), shared_name="f", container="c",
                                               client=real.url) as acc:  # fmt: skip
             await acc.apply_grad([1.0])
-        client = aioredis.Redis.from_url(real.url)
+        client = aconnect(real.url)
         names = [info.shared_name for info in await aio.list_accumulators("c", client=client)]
         assert names == ["f"]
         assert await aio.reset_container("c", client=real.url) == 1

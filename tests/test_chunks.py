@@ -179,7 +179,10 @@ def test_a_retried_apply_of_parts_is_counted_once(real, monkeypatch):
     shape = (CHUNK // 2,)  # 2 parts
     acc = make(real, shape=shape)
     from redis.client import Pipeline
+    from redis.cluster import ClusterPipeline
 
+    if real.kind == "cluster":
+        Pipeline = ClusterPipeline  # noqa: N806 - the class the cluster client's batches use
     original = Pipeline.execute
     calls = {"n": 0}
 

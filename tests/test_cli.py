@@ -517,10 +517,11 @@ def test_restricted_server_degrades(real: Target, make: Callable[..., Any]) -> N
     make("x", shape=(100, 100)).apply_grad(np.ones((100, 100)), local_step=0)
     r = real.redis()
     user = f"limited-{os.getpid()}"
+    every: dict[str, Any] = {"target_nodes": "all"} if real.kind == "cluster" else {}
     r.acl_setuser(user, enabled=True, passwords=["+pw"], keys=["*"], channels=["*"],
-                  commands=["+@all", "-info", "-memory"])  # fmt: skip
+                  commands=["+@all", "-info", "-memory"], **every)  # fmt: skip
     try:
-        url = real.url.replace("redis://", f"redis://{user}:pw@")
+        url = str(real.url).replace("://", f"://{user}:pw@", 1)
         lines = ok(cli("ls", "--url", url)).splitlines()
         assert lines[1].split()[0] == "x" and lines[-1] == "1 accumulator"  # no server line
         assert json.loads(ok(cli("ls", "--json", "--url", url)))["server"] is None
@@ -528,7 +529,7 @@ def test_restricted_server_degrades(real: Target, make: Callable[..., Any]) -> N
         assert "memory n/a (MEMORY USAGE not available)" in text
         assert json.loads(ok(cli("show", "x", "--json", "--url", url)))["memory_bytes"] is None
     finally:
-        r.acl_deluser(user)
+        r.acl_deluser(user, **every)
 
 
 def test_demo_subcommand_forwards_to_the_demo() -> None:

@@ -288,12 +288,13 @@ def test_connection_reset_mid_take_recovers(real):
     waiter = threading.Thread(target=lambda: out.append(acc.take_grad(3, timeout=15)))
     waiter.start()
     time.sleep(0.3)
-    admin = redis.Redis.from_url(real.url)
+    admin = real.redis()
+    every = {"target_nodes": "all"} if real.kind == "cluster" else {}
     worker = make(real)
     worker.apply_grad(np.ones(SMALL))
-    admin.client_kill_filter(_type="normal", skipme=True)
+    admin.client_kill_filter(_type="normal", skipme=True, **every)
     worker.apply_grad(np.ones(SMALL))
-    admin.client_kill_filter(_type="normal", skipme=True)
+    admin.client_kill_filter(_type="normal", skipme=True, **every)
     worker.apply_grad(np.ones(SMALL))
     waiter.join(20)
     assert out, "the take did not survive the connection resets"
@@ -317,7 +318,10 @@ def test_lost_reply_is_retried_and_counted_once(real, monkeypatch, shape):
     """The server executed the apply but the reply never arrived: redis-py's retry re-sends
     the whole command (pipeline), and the script recognises it."""
     acc = make(real, shape=shape)
-    conn_cls = type(acc.redis.connection_pool.get_connection())
+    if real.kind == "cluster":  # the node clients' connections
+        conn_cls = redis.Connection
+    else:
+        conn_cls = type(acc.redis.connection_pool.get_connection())
     original = conn_cls.read_response
     lost = {"armed": True}
 

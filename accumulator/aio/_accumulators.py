@@ -6,11 +6,11 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-import redis.asyncio as aioredis
 
 from .._dense import DenseOps
 from .._protocol import take
 from .._sparse import IndexedSlices, SparseGradient, SparseOps
+from ._connection import AsyncClient
 from ._core import AccumulatorBase
 
 
@@ -39,7 +39,7 @@ class ConditionalAccumulator(AccumulatorBase, DenseOps):
         name: str = "conditional_accumulator",
         reduction_type: str = "MEAN",
         *,
-        client: aioredis.Redis | str | None = None,
+        client: AsyncClient = None,
         container: str = "",
         max_pending_bytes: int | None = None,
         min_replicas: int = 0,
@@ -83,7 +83,7 @@ class SparseConditionalAccumulator(AccumulatorBase, SparseOps):
         name: str = "sparse_conditional_accumulator",
         reduction_type: str = "MEAN",
         *,
-        client: aioredis.Redis | str | None = None,
+        client: AsyncClient = None,
         container: str = "",
         max_pending_bytes: int | None = None,
         min_replicas: int = 0,

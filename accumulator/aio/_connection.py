@@ -8,7 +8,7 @@ import asyncio
 import hashlib
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias
 
 import redis
 import redis.asyncio as aioredis
@@ -96,6 +96,10 @@ def _derive(pool: Any, *, limit: bool, socket_timeout: float) -> aioredis.Redis:
     return aioredis.Redis(connection_pool=new_pool)
 
 
+#: What ``client=`` accepts: an asyncio client, an asyncio cluster client, a URL, or None.
+AsyncClient: TypeAlias = "aioredis.Redis | AsyncRedisCluster | str | None"
+
+
 def is_cluster(client: Any) -> bool:
     """Whether an asyncio client talks to a Redis Cluster."""
     return isinstance(client, AsyncRedisCluster)
@@ -123,7 +127,7 @@ def _url_client(url: str) -> aioredis.Redis:
     return aioredis.Redis.from_url(url, retry=_retry(), **url_options(url))
 
 
-def connect(client: aioredis.Redis | str | None) -> AsyncConnections:
+def connect(client: AsyncClient) -> AsyncConnections:
     """The clients for a URL, for a ``redis.asyncio.Redis`` (its settings are kept), or for
     the default URL (``ACCUMULATOR_REDIS_URL``, ``REDIS_URL``, ``redis://localhost``). No I/O:
     the pools connect on first use. Call from the event loop that will use them."""

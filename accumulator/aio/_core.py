@@ -30,7 +30,7 @@ from .._requests import (
     Unsubscribe,
     advance,
 )
-from ._connection import AsyncConnections, connect, is_cluster
+from ._connection import AsyncClient, AsyncConnections, connect, is_cluster
 
 logger = logging.getLogger("accumulator")
 
@@ -83,7 +83,7 @@ class AccumulatorBase(AccumulatorModel):
         name: str | None,
         reduction_type: str,
         *,
-        client: aioredis.Redis | str | None = None,
+        client: AsyncClient = None,
         container: str = "",
         max_pending_bytes: int | None = None,
         min_replicas: int = 0,
@@ -265,7 +265,12 @@ class AccumulatorBase(AccumulatorModel):
             return await self._wait(lambda: self._blpop(conns.blocking, request.key,
                                                         request.timeout))  # fmt: skip
         if isinstance(request, Subscribe):
-            queue = conns.blocking.pubsub(ignore_subscribe_messages=True)
+            blocking = conns.blocking
+            # a cluster's pub/sub routes by the slot map without loading it first (redis-py
+            # 8.1: a KeyError when no other command has used this client yet)
+            if is_cluster(blocking) and not await self._wait(blocking.initialize):
+                return None
+            queue = blocking.pubsub(ignore_subscribe_messages=True)
             self._waits.add(queue)
             if not await self._wait(lambda: queue.subscribe(request.channel)):
                 await self._drop_queue(queue)

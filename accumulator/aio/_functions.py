@@ -6,18 +6,22 @@ from __future__ import annotations
 
 import asyncio
 
-import redis
-import redis.asyncio as aioredis
-
 from .. import _admin, _functions
-from .._connection import twin_client
+from .._connection import Client, twin_client, twin_cluster
+from ._connection import AsyncClient
 
 
-def _sync_client(client: aioredis.Redis | str | None) -> redis.Redis | str | None:
-    return client if client is None or isinstance(client, str) else twin_client(client)
+def _sync_client(client: AsyncClient) -> Client:
+    from redis.asyncio.cluster import RedisCluster
+
+    if client is None or isinstance(client, str):
+        return client
+    if isinstance(client, RedisCluster):
+        return twin_cluster(client)
+    return twin_client(client)
 
 
-async def reset_container(container: str, *, client: aioredis.Redis | str | None = None) -> int:
+async def reset_container(container: str, *, client: AsyncClient = None) -> int:
     """Delete every accumulator of ``container``; returns how many were deleted (see
     :func:`accumulator.reset_container`)."""
     sync = _sync_client(client)
@@ -25,7 +29,7 @@ async def reset_container(container: str, *, client: aioredis.Redis | str | None
 
 
 async def list_accumulators(
-    container: str | None = None, *, client: aioredis.Redis | str | None = None
+    container: str | None = None, *, client: AsyncClient = None
 ) -> list[_admin.Info]:
     """Every accumulator (of one container, or of all): see
     :func:`accumulator.list_accumulators`."""

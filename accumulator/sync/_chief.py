@@ -14,10 +14,9 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
-import redis
 
 from .. import _admin, _retry
-from .._connection import is_cluster
+from .._connection import Client, is_cluster
 from .._errors import DeadlineExceededError, NotFoundError
 from .._keys import Keys, is_done_mark
 from .._stream import write_parts
@@ -55,7 +54,7 @@ class ParameterServer(_Job):
         replicas_to_aggregate: int,
         sparse: Iterable[str] = (),
         reduction_type: str = "MEAN",
-        client: redis.Redis | str | None = None,
+        client: Client = None,
         container: str = "",
         chief_id: str | None = None,
         chief_lease: float = CHIEF_LEASE_SECONDS,

@@ -13,7 +13,7 @@ import redis
 
 from .. import _admin, _retry
 from .._codec import wire_dtype
-from .._connection import connect
+from .._connection import Client, connect
 from .._core import AccumulatorBase
 from .._dense import ConditionalAccumulator
 from .._keys import Keys, SyncKeys
@@ -110,7 +110,7 @@ class _Job:
         self,
         job: str,
         *,
-        client: redis.Redis | str | None,
+        client: Client,
         container: str,
         retry_window: float = _retry.RETRY_WINDOW,
     ) -> None:

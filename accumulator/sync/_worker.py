@@ -17,6 +17,7 @@ import redis
 
 from .. import _retry, _scripts
 from .._codec import scalar_int
+from .._connection import Client
 from .._errors import DeadlineExceededError
 from ._job import TrainingFinished, _Job
 from ._published import Published
@@ -41,7 +42,7 @@ class Worker(_Job):
         self,
         job: str,
         *,
-        client: redis.Redis | str | None = None,
+        client: Client = None,
         container: str = "",
         worker_id: str | None = None,
         retry_window: float = _retry.RETRY_WINDOW,
