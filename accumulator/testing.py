@@ -553,4 +553,5 @@ atexit.register(_live_servers.stop_all)
 
 
 # groups of servers (they build on RedisServer above)
-from ._testing_groups import LocalCluster, ReplicaSet, SentinelGroup  # noqa: E402
+from ._testing_cluster import LocalCluster  # noqa: E402
+from ._testing_groups import ReplicaSet, SentinelGroup  # noqa: E402

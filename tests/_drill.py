@@ -317,11 +317,17 @@ class Drill:
         self.hangs: list[str] = []
         self.redis_down_max = 0.0
         self.stop_path = self.run_dir / "STOP"
-        # a SentinelGroup is reached through its Sentinels (its primary changes)
+        # a SentinelGroup is reached through its Sentinels (its primary changes), a
+        # LocalCluster through a cluster client
         sentinels = getattr(self.server, "sentinel_ports", None)
         self.spec: Any = ("sentinel", list(sentinels), "mymaster") if sentinels else self.server.url
-        self.admin = client_of(self.spec) if sentinels else redis.Redis.from_url(
-            self.server.url, socket_timeout=10)  # fmt: skip
+        if hasattr(self.server, "migrate_slot"):
+            self.spec = self.server.cluster_url
+            self.admin = self.server.client(socket_timeout=10)
+        elif sentinels:
+            self.admin = client_of(self.spec)
+        else:
+            self.admin = redis.Redis.from_url(self.server.url, socket_timeout=10)
         self.failovers: list[float] = []
         self._bag: list[str] = []
 
@@ -451,6 +457,20 @@ class Drill:
             port = self.server.failover(down=self.rng.uniform(*c.redis_down), lag=lag)
             self.failovers.append(round(time.monotonic() - started, 2))
             detail = f"primary now on port {port} after {self.failovers[-1]}s"
+        elif kind == "migrate":
+            # the accumulator's slot to another primary, live (clients see ASK, then MOVED)
+            started = time.monotonic()
+            port = self.server.migrate_slot(self._slot())
+            took = time.monotonic() - started
+            detail = f"slot {self._slot()} now on port {port} after {took:.2f}s"
+        elif kind == "cluster_failover":
+            started = time.monotonic()
+            # every other one with a lagging replica (what asynchronous replication loses)
+            lag = 0.5 if self.faults[kind] % 2 else 0.0
+            port = self.server.failover(self._slot(), down=self.rng.uniform(*c.redis_down),
+                                        lag=lag)  # fmt: skip
+            self.failovers.append(round(time.monotonic() - started, 2))
+            detail = f"slot {self._slot()} now on port {port} after {self.failovers[-1]}s"
         elif kind == "client_kill":
             detail = f"{self._admin('CLIENT', 'KILL', 'TYPE', 'normal')} connections"
         elif kind == "pause_all":
@@ -469,6 +489,12 @@ class Drill:
             self._bag = list(self.config.faults)
             self.rng.shuffle(self._bag)
         return self._bag.pop()
+
+    def _slot(self) -> int:
+        """The cluster slot of the drill's accumulator (its hash tag)."""
+        from redis.cluster import key_slot
+
+        return int(key_slot(Keys("", self.config.name).state.encode()))
 
     # -- run ---------------------------------------------------------------------------------
 
