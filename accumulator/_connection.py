@@ -315,6 +315,16 @@ def is_cluster(client: Any) -> bool:
     return isinstance(client, RedisCluster)
 
 
+def is_redirect(reply: Exception) -> bool:
+    """Whether an error reply means "not here, not now" on a cluster: MOVED, ASK, TRYAGAIN,
+    CLUSTERDOWN (redis-py parses some into their own classes; the text covers the rest)."""
+    if isinstance(reply, (redis.exceptions.MovedError, redis.exceptions.AskError,
+                          redis.exceptions.TryAgainError,
+                          redis.exceptions.ClusterDownError)):  # fmt: skip
+        return True
+    return str(reply).split(" ", 1)[0] in ("MOVED", "ASK", "TRYAGAIN", "CLUSTERDOWN")
+
+
 def cluster_url(url: str) -> str | None:
     """The plain URL of a ``redis+cluster://`` (``rediss+cluster://``) one, else None."""
     for scheme in ("redis+cluster://", "rediss+cluster://"):

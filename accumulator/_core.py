@@ -7,6 +7,7 @@ thread. Kind-specific code (validation, payload layout, reduction) lives in
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -19,8 +20,8 @@ from redis.client import PubSub
 from redis.exceptions import NoScriptError
 
 from . import _protocol, _retry, _scripts
-from ._connection import Client, Connections, connect, is_cluster
-from ._errors import CancelledError, InvalidArgumentError
+from ._connection import Client, Connections, connect, is_cluster, is_redirect
+from ._errors import CancelledError
 from ._keys import Keys
 from ._model import AccumulatorModel, server_of
 from ._requests import (
@@ -85,12 +86,6 @@ class AccumulatorBase(AccumulatorModel):
                     max_pending_bytes, sum_in_redis, min_replicas, wait_aof)  # fmt: skip
         self._conns = connect(client)
         self._cluster = is_cluster(self._conns.commands)
-        if self._cluster and self._durability() is not None:
-            self._conns.close()
-            raise InvalidArgumentError(
-                "min_replicas/wait_aof are not supported on Redis Cluster yet (WAIT must "
-                "follow the writes on their node's connection)"
-            )
         # connections of waits in progress: close() from another thread breaks them (the
         # pools are shared with other accumulators and stay open)
         self._waits: set[Any] = set()
@@ -201,6 +196,8 @@ class AccumulatorBase(AccumulatorModel):
         def send() -> list[Any]:
             if self._cluster and all(c[0] == "SCRIPT" for c in request.commands):
                 return [_each(commands, c, request.raise_on_error) for c in request.commands]
+            if self._cluster and request.node_key is not None:
+                return _on_node(commands, request)
             pipe = commands.pipeline(transaction=False)
             for command in request.commands:
                 pipe.execute_command(*command)
@@ -272,6 +269,32 @@ class AccumulatorBase(AccumulatorModel):
             logger.debug("wait on %s interrupted: %s", self._keys.base, exc)
             time.sleep(0.05)  # a refused reconnect fails at once: do not spin
             return False
+
+
+def _on_node(client: Any, request: Batch) -> list[Any]:
+    """A batch on one connection to the node serving its ``node_key`` (a cluster pipeline
+    would send a keyless WAIT elsewhere). A slot on the move or a failover in progress
+    (MOVED, ASK, TRYAGAIN, CLUSTERDOWN in a reply) refreshes the slot map and raises a
+    transient error: the batch is sent again, whole (its commands are idempotent)."""
+    node = client.get_node_from_key(request.node_key)
+    pipe = client.get_redis_connection(node).pipeline(transaction=False)
+    for command in request.commands:
+        pipe.execute_command(*command)
+    try:
+        replies: list[Any] = pipe.execute(raise_on_error=False)
+    except (redis.ConnectionError, redis.TimeoutError):
+        with contextlib.suppress(redis.RedisError, OSError):  # the node may be gone for now
+            client.nodes_manager.initialize()
+        raise
+    for reply in replies:
+        if isinstance(reply, redis.ResponseError) and is_redirect(reply):
+            client.nodes_manager.initialize()
+            raise redis.ConnectionError(f"{request.what}: the slot moved ({reply}); sending again")
+    if request.raise_on_error:
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
+    return replies
 
 
 def _each(client: Any, command: tuple[Any, ...], raise_on_error: bool) -> Any:

@@ -163,7 +163,7 @@ def _send(
         for i, (start, stop) in enumerate(_chunks.part_ranges(nbytes))
     ]  # fmt: skip
     commands.append(tuple(_scripts.evalsha_args("apply", keys, args)))
-    replies = yield from _committed("apply_grad", commands, durability)
+    replies = yield from _committed("apply_grad", commands, durability, k.state)
     return replies[-1], blob, inline, replies.acked
 
 
@@ -174,14 +174,18 @@ class _Replies(list[Any]):
 
 
 def _committed(
-    what: str, commands: list[tuple[Any, ...]], durability: Durability | None
+    what: str, commands: list[tuple[Any, ...]], durability: Durability | None, key: str
 ) -> Ops[_Replies]:
     """Send a commit's commands in one batch, followed by the durability wait on the same
-    connection; error replies raise (a payload part's refusal, OOM or ACL, before the
-    script's: it explains best)."""
+    connection (on a cluster: of the node serving ``key``, the accumulator's slot); error
+    replies raise (a payload part's refusal, OOM or ACL, before the script's: it explains
+    best)."""
+    node_key = None
     if durability is not None:
         commands = [*commands, durability.command()]
-    replies = _Replies((yield Batch(what, commands, raise_on_error=False, commit=True)))
+        node_key = key
+    batch = Batch(what, commands, raise_on_error=False, commit=True, node_key=node_key)
+    replies = _Replies((yield batch))
     if durability is not None:
         acked = replies.pop()
         # a wait that failed confirmed nothing
@@ -338,7 +342,7 @@ def _finish(acc: AccumulatorModel, taker: str, claim_key: str, blob_keys: list[b
         ours = yield Call(what, "finish", keys, [taker], commit=True)
     else:
         finish = tuple(_scripts.evalsha_args("finish", keys, [taker]))
-        replies = yield from _committed(what, [finish], durability)
+        replies = yield from _committed(what, [finish], durability, k.state)
         ours = replies[0]
         missing = durability.shortfall(replies.acked)
         if missing and int(ours):

@@ -49,6 +49,9 @@ class Batch:
     commands: Sequence[tuple[Any, ...]]
     raise_on_error: bool = True
     commit: bool = False
+    #: On a cluster, send every command on one connection to the node serving this key (a
+    #: durability WAIT must follow the writes it confirms on their connection).
+    node_key: str | bytes | None = None
 
 
 @dataclass(frozen=True)

@@ -121,41 +121,47 @@ def test_a_sentinel_url_reaches_the_primary_from_the_library_the_cli_and_the_dem
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("fault", "width"), [("migrate", 6000), ("migrate", 1_500_000), ("cluster_failover", 6000)],
-    ids=["migrate", "migrate-parts", "cluster_failover"],
+    ("fault", "width", "min_replicas"),
+    [("migrate", 6000, 0), ("migrate", 1_500_000, 1), ("cluster_failover", 6000, 0),
+     ("cluster_failover", 6000, 1)],
+    ids=["migrate", "migrate-parts-min_replicas=1", "cluster_failover-default",
+         "cluster_failover-min_replicas=1"],
 )  # fmt: skip
-def test_cluster_drill(tmp_path, fault, width):
+def test_cluster_drill(tmp_path, fault, width, min_replicas):
     """A Redis Cluster of 3 primaries and 3 replicas (``accumulator.testing.LocalCluster``):
     the drill's processes apply and take through a cluster client while the drill moves the
     accumulator's slot between primaries, live (``migrate``: ASK redirects during the move,
     MOVED after: nothing may be lost or counted twice, asserted), or SIGKILLs the primary
     serving it so that its replica takes over (``cluster_failover``: asynchronous
-    replication, so lost and doubled are reported, not asserted, as for Sentinel's default;
-    durability settings are refused on a cluster). ``migrate-parts``: gradients of 1.5 MB,
-    sent as parts (a chunk each) that move with the slot."""
+    replication: with the default, lost and doubled are reported, not asserted; with
+    ``min_replicas=1``, the primary's one replica has every acknowledged write, so nothing
+    may be lost or doubled, asserted). ``migrate-parts``: gradients of 1.5 MB, sent as parts
+    (a chunk each) that move with the slot."""
     if find_server_binary() is None:
         pytest.skip("no redis-server binary (scripts/test.sh installs one)")
     from accumulator.testing import LocalCluster
 
     config = DrillConfig(
-        name=f"cluster-{fault}-{width}", width=width, seconds=SECONDS, workers=3, block=500,
+        name=f"cluster-{fault}-{width}-{min_replicas}", width=width, seconds=SECONDS,
+        workers=3, block=500,
         pace=0.02 if width < 100_000 else 0.1,
         faults=(fault, fault, "kill_worker", "kill_taker"), fault_gap=(1.0, 3.0),
-        redis_down=(0.0, 1.0), seed=31 + len(fault),
+        redis_down=(0.0, 1.0), seed=31 + len(fault), min_replicas=min_replicas,
     )  # fmt: skip
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     with LocalCluster(primaries=3, replicas_each=1) as cluster:
         report = Drill(config, cluster, run_dir).run()
     text = json.dumps(report, indent=1)
-    path = tmp_path / f"cluster-{fault}-{width}.json"
+    label = f"{fault}-{width}-min_replicas={min_replicas}"
+    path = tmp_path / f"cluster-{label}.json"
     path.write_text(text)
     print()
-    print(f"cluster {fault}: {summary_line(report)} failovers {report['failovers']}")
+    print(f"cluster {label}: {summary_line(report)} failovers {report['failovers']}")
     if os.environ.get("ACCUMULATOR_DRILL_REPORT_DIR"):
         keep = Path(os.environ["ACCUMULATOR_DRILL_REPORT_DIR"])
         keep.mkdir(parents=True, exist_ok=True)
-        (keep / f"cluster-{fault}-{width}-{time.strftime('%Y%m%d-%H%M%S')}.json").write_text(text)
+        (keep / f"cluster-{label}-{time.strftime('%Y%m%d-%H%M%S')}.json").write_text(text)
     problems = []
     if report["faults"].get(fault, 0) < 2:
         problems.append(f"too few {fault} faults: {report['faults']}")
@@ -165,8 +171,8 @@ def test_cluster_drill(tmp_path, fault, width):
         problems.append(f"processes: {report['crashes'] + report['hangs']}")
     if report["phantom"]:
         problems.append(f"phantom: {report['phantom']} (e.g. {report['examples']['phantom']})")
-    print(f"lost {report['lost']}, doubled {report['doubled']} (cluster {fault})")
-    if fault == "migrate":
+    print(f"lost {report['lost']}, doubled {report['doubled']} (cluster {label})")
+    if fault == "migrate" or min_replicas:
         if report["lost"]:
             problems.append(f"lost: {report['lost']} (e.g. {report['examples']['lost']})")
         if report["doubled"]:

@@ -41,6 +41,8 @@ class AsyncConnections:
         if not release(self, _SHARED, _LOCK):
             return
         for client in (self.blocking, self.commands):
+            for node in getattr(client, "_accumulator_nodes", {}).values():
+                await node.aclose()
             await client.aclose()
             pool = getattr(client, "connection_pool", None)  # a cluster client has none
             if pool is not None:
@@ -121,6 +123,23 @@ def _cluster(client: Any, socket_timeout: float) -> Any:
         ClusterNode(n.host, n.port) for n in client.startup_nodes
     ]  # fmt: skip
     return AsyncRedisCluster(startup_nodes=nodes, **kwargs, **settings)
+
+
+def node_client(cluster: Any, node: Any) -> aioredis.Redis:
+    """A plain asyncio client of one node of our cluster client (kept on it, closed with
+    it): a batch that must stay on one connection (a WAIT after its writes) goes there."""
+    cache: dict[str, aioredis.Redis] = cluster.__dict__.setdefault("_accumulator_nodes", {})
+    client = cache.get(node.name)
+    if client is None:
+        kwargs = {k: v for k, v in cluster.connection_kwargs.items()
+                  if k in ("username", "password", "socket_timeout", "socket_connect_timeout",
+                           "client_name", "protocol")}  # fmt: skip
+        connection_class = cluster.connection_kwargs.get("connection_class")
+        if connection_class is not None and "SSL" in connection_class.__name__:
+            kwargs["ssl"] = True
+        client = aioredis.Redis(host=node.host, port=node.port, retry=_retry(), **kwargs)
+        cache[node.name] = client
+    return client
 
 
 def _url_client(url: str) -> aioredis.Redis:

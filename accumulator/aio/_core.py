@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from types import TracebackType
@@ -15,7 +16,8 @@ from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.exceptions import NoScriptError
 
 from .. import _retry, _scripts
-from .._errors import CancelledError, InvalidArgumentError
+from .._connection import is_redirect
+from .._errors import CancelledError
 from .._model import AccumulatorModel, server_of
 from .._requests import (
     Batch,
@@ -30,7 +32,7 @@ from .._requests import (
     Unsubscribe,
     advance,
 )
-from ._connection import AsyncClient, AsyncConnections, connect, is_cluster
+from ._connection import AsyncClient, AsyncConnections, connect, is_cluster, node_client
 
 logger = logging.getLogger("accumulator")
 
@@ -121,11 +123,6 @@ class AccumulatorBase(AccumulatorModel):
         async with self._opening:
             if self._conns is None:
                 conns = connect(self._client)
-                if is_cluster(conns.commands) and self._durability() is not None:
-                    await conns.close()
-                    raise InvalidArgumentError(
-                        "min_replicas/wait_aof are not supported on Redis Cluster yet"
-                    )
                 try:
                     await self._drive(conns, self._open_ops(server_of(conns.commands)))
                 except BaseException:
@@ -290,6 +287,8 @@ class AccumulatorBase(AccumulatorModel):
             if is_cluster(commands) and all(c[0] == "SCRIPT" for c in request.commands):
                 return [await _each(commands, c, request.raise_on_error)
                         for c in request.commands]  # fmt: skip
+            if is_cluster(commands) and request.node_key is not None:
+                return await _on_node(commands, request)
             pipe = commands.pipeline(transaction=False)
             for command in request.commands:
                 pipe.execute_command(*command)
@@ -367,6 +366,32 @@ class AccumulatorBase(AccumulatorModel):
             logger.debug("wait on %s interrupted: %s", self._keys.base, exc)
             await asyncio.sleep(0.05)  # a refused reconnect fails at once: do not spin
             return False
+
+
+async def _on_node(client: Any, request: Batch) -> list[Any]:
+    """The asyncio twin of ``_core._on_node``: a batch on one connection to the node serving
+    its ``node_key``; a redirect or a lost node refreshes the slot map and raises a transient
+    error (the batch is sent again, whole)."""
+    await client.initialize()
+    node = client.get_node_from_key(request.node_key)
+    pipe = node_client(client, node).pipeline(transaction=False)
+    for command in request.commands:
+        pipe.execute_command(*command)
+    try:
+        replies = list(await pipe.execute(raise_on_error=False))
+    except (redis.ConnectionError, redis.TimeoutError):
+        with contextlib.suppress(redis.RedisError, OSError):  # the node may be gone for now
+            await client.nodes_manager.initialize()
+        raise
+    for reply in replies:
+        if isinstance(reply, redis.ResponseError) and is_redirect(reply):
+            await client.nodes_manager.initialize()
+            raise redis.ConnectionError(f"{request.what}: the slot moved ({reply}); sending again")
+    if request.raise_on_error:
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
+    return replies
 
 
 async def _each(client: Any, command: tuple[Any, ...], raise_on_error: bool) -> Any:
