@@ -85,9 +85,40 @@ def _top() -> dict[str, list[str]]:
     return _children(lines, 0)
 
 
-def _services() -> dict[str, list[str]]:
+def _anchors() -> dict[str, list[str]]:
+    """The top-level blocks that carry an anchor (``x-redis: &redis``), by anchor name."""
+    out: dict[str, list[str]] = {}
+    for block in _top().values():
+        m = re.match(r"\s*[^:]+:\s*&(\S+)\s*$", block[0])
+        if m:
+            out[m.group(1)] = block
+    return out
+
+
+def _merged(block: list[str]) -> list[str]:
+    """A block with its ``<<: *name`` merge key replaced by the keys of the anchored block
+    that it does not set itself (YAML's merge, one level deep, recursively)."""
+    kids = _children(block, 0)
+    merge = kids.pop("<<", None)
+    if merge is None:
+        return block
+    base = _children(_merged(_anchors()[merge[0].split("*", 1)[1].strip()]), 0)
+    level = _indent(next(iter(kids.values()))[0]) if kids else _indent(merge[0])
+    out = [block[0]]
+    for key, lines in base.items():
+        if key not in kids:
+            shift = level - _indent(lines[0])
+            out += [" " * shift + line if shift >= 0 else line[-shift:] for line in lines]
+    for lines in kids.values():
+        out += lines
+    return out
+
+
+def _services(merged: bool = True) -> dict[str, list[str]]:
+    """The services' blocks (with the keys they merge from an anchor, unless not ``merged``)."""
     lines = _lines()
-    return _children(lines, lines.index("services:"))
+    services = _children(lines, lines.index("services:"))
+    return {name: _merged(block) for name, block in services.items()} if merged else services
 
 
 def _value(block: list[str], key: str) -> str | None:
@@ -128,9 +159,14 @@ def _required_password(value: str | None) -> bool:
 # --------------------------------------------------------------------------- the services
 
 
+SENTINEL_PROFILE = ["redis-replica", "sentinel-0", "sentinel-1", "sentinel-2", "demo-sentinel"]
+CLUSTER_NODES = [f"redis-node-{i}" for i in range(6)]
+CLUSTER_PROFILE = [*CLUSTER_NODES, "cluster-init", "demo-cluster"]
+
+
 def test_the_services_are_kept() -> None:
-    services = _services()
-    assert set(services) == {"redis", *APP_SERVICES}
+    services = _services(merged=False)
+    assert set(services) == {"redis", *APP_SERVICES, *SENTINEL_PROFILE, *CLUSTER_PROFILE}
     for name in APP_SERVICES:
         assert _value(services[name], "<<") == "*app", f"{name} must merge *app"
     assert _flow_list(_value(services["chief"], "command")) == ["demo", "--role", "chief"]
@@ -159,11 +195,12 @@ def test_one_app_image_built_from_scripts_dockerfile() -> None:
     build = "\n".join(_sub(app, "build"))
     assert re.search(r"^\s+context:\s*\.\s*$", build, re.M)
     assert re.search(r"^\s+dockerfile:\s*scripts/Dockerfile\s*$", build, re.M)
-    for name in APP_SERVICES:
-        block = _services()[name]
+    for name in [*APP_SERVICES, "demo-sentinel", "demo-cluster"]:
+        block = _services(merged=False)[name]
         assert _value(block, "image") is None and _value(block, "build") is None, (
             f"{name}: the app image comes from x-app's build only"
         )
+        assert _value(block, "<<") == "*app", name
 
 
 # --------------------------------------------------------------------- network and password
@@ -325,8 +362,14 @@ def test_compose_containers_run_unprivileged() -> None:
     assert re.search(r"^\s+read_only:\s*true$", hardened, re.M)
     assert re.search(r"^\s+cap_drop:\s*\[ALL\]$", hardened, re.M)
     assert "no-new-privileges:true" in hardened
-    assert _value(redis_block, "<<") == "*hardened"
+    assert _value(_services(merged=False)["redis"], "<<") == "*redis"
+    assert _value(_top()["x-redis"], "<<") == "*hardened"
     assert _value(_top()["x-app"], "<<") == "*hardened"
+    for name, block in _services().items():  # every service, with what it merges
+        assert _value(block, "read_only") == "true", name
+        assert _value(block, "cap_drop") == "[ALL]", name
+        if name not in (*APP_SERVICES, "demo-sentinel", "demo-cluster"):  # the app image's
+            assert _value(block, "user") == "redis", name
 
 
 def test_dockerignore_keeps_secrets_and_clutter_out() -> None:
@@ -373,10 +416,11 @@ def test_redis_is_the_pinned_image_plus_our_module() -> None:
 # ------------------------------------------------------------------------- the two scripts
 
 
-def _redis_script() -> str:
-    """The redis service's start script, as the container's shell gets it (`$$` -> `$`)."""
+def _redis_script(anchor: str = "x-redis: &redis") -> str:
+    """The redis service's start script (x-redis: the `redis` service, the replica and the
+    cluster nodes), as the container's shell gets it (`$$` -> `$`); or another block's."""
     raw = COMPOSE.read_text().splitlines()
-    start = next(i for i, line in enumerate(raw) if line == "  redis:")
+    start = next(i for i, line in enumerate(raw) if line == anchor)
     cmd = next(i for i in range(start, len(raw)) if raw[i].strip() == "command:")
     block = next(i for i in range(cmd, len(raw)) if raw[i].strip() == "- |")
     base = _indent(raw[block])
@@ -468,6 +512,18 @@ def test_entrypoint_builds_the_url_inside_the_container(tmp_path: Path) -> None:
     assert rc == 0 and url == "redis://:pw@h:7000/3"
     rc, _, url = _entrypoint(tmp_path, ["ls"], REDIS_URL="redis://other:6379/1")
     assert rc == 0 and url == "redis://other:6379/1"  # given: used as is, no password needed
+    # the profiles' forms
+    rc, _, url = _entrypoint(tmp_path, ["ls"], REDISCLI_AUTH="pw", REDIS_SCHEME="redis+sentinel",
+                             REDIS_ADDRESS="s0:26379,s1:26379", REDIS_PATH="mymaster")  # fmt: skip
+    assert rc == 0 and url == "redis+sentinel://:pw@s0:26379,s1:26379/mymaster"
+    rc, _, url = _entrypoint(tmp_path, ["ls"], REDISCLI_AUTH="pw", REDIS_SCHEME="redis+cluster",
+                             REDIS_ADDRESS="redis-node-0:6379")  # fmt: skip
+    assert rc == 0 and url == "redis+cluster://:pw@redis-node-0:6379/0"
+    for i, bad in enumerate(({"REDIS_SCHEME": "http"}, {"REDIS_ADDRESS": "h:1/x"},
+                             {"REDIS_PATH": "a b"})):  # fmt: skip
+        (tmp_path / str(i)).mkdir()
+        rc, argv, _ = _entrypoint(tmp_path / str(i), ["ls"], REDISCLI_AUTH="pw", **bad)
+        assert rc == 2 and argv == [], bad
 
 
 @posix_only
@@ -577,3 +633,135 @@ def test_compose_redis_and_entrypoint_against_a_real_server(tmp_path: Path) -> N
         except subprocess.TimeoutExpired:
             server.kill()
             server.wait()
+
+
+# ------------------------------------------------------- profiles `sentinel` and `cluster`
+
+
+def _profile_env(block: list[str]) -> dict[str, str]:
+    """A service's environment, with what it merges (``<<: *redis-environment``)."""
+    env: dict[str, str] = {}
+    for line in _sub(block, "environment")[1:]:
+        key, _, value = line.strip().partition(":")
+        if key == "<<":
+            anchor = _text().split("environment: &" + value.strip()[1:], 1)[1]
+            for inner in anchor.splitlines()[1:]:
+                if not inner.startswith("    ") or ":" not in inner:
+                    break
+                k, _, v = inner.strip().partition(":")
+                env.setdefault(k, v.strip().strip("'\""))
+        else:
+            env[key] = value.strip().strip("'\"")
+    return env
+
+
+def test_the_profiles_services() -> None:
+    services = _services()
+    raw = _services(merged=False)
+    for name in SENTINEL_PROFILE:
+        assert _flow_list(_value(services[name], "profiles")) == ["sentinel"], name
+    for name in CLUSTER_PROFILE:
+        assert _flow_list(_value(services[name], "profiles")) == ["cluster"], name
+    assert _profile_env(raw["redis-replica"])["REDIS_ROLE"] == "replica"
+    for name in CLUSTER_NODES:
+        env = _profile_env(raw[name])
+        assert env["REDIS_ROLE"] == "cluster" and env["REDIS_ANNOUNCE_HOST"] == name, name
+        assert _required_password(env["REDISCLI_AUTH"])
+        assert "ports" not in _children(services[name], 0), f"{name} publishes no port"
+    sentinel = _profile_env(raw["demo-sentinel"])
+    assert sentinel["REDIS_SCHEME"] == "redis+sentinel" and sentinel["REDIS_PATH"] == "mymaster"
+    assert sentinel["REDIS_ADDRESS"] == ",".join(f"sentinel-{i}:26379" for i in range(3))
+    cluster = _profile_env(raw["demo-cluster"])
+    assert cluster["REDIS_SCHEME"] == "redis+cluster"
+    assert "cluster-init:" in "\n".join(_sub(services["demo-cluster"], "depends_on"))
+    assert "service_completed_successfully" in "\n".join(services["demo-cluster"])
+    header = COMPOSE.read_text().split("\n\n", 1)[0]
+    assert "docker compose --profile sentinel run --rm demo-sentinel" in header
+    assert "docker compose --profile cluster run --rm demo-cluster" in header
+
+
+@posix_only
+def test_the_redis_script_makes_replicas_and_cluster_nodes(tmp_path: Path) -> None:
+    _stub(tmp_path, "redis-server", f"cat > {tmp_path}/stdin\n")
+    env = {"PATH": f"{tmp_path}:{os.environ['PATH']}", "REDISCLI_AUTH": PASSWORD}
+
+    def config(**extra: str) -> list[str]:
+        subprocess.run(["/bin/sh", "-ec", _redis_script()], env={**env, **extra}, check=True,
+                       timeout=30)  # fmt: skip
+        return (tmp_path / "stdin").read_text().splitlines()
+
+    plain = config()
+    assert f"masterauth {PASSWORD}" in plain and not any("cluster" in x for x in plain)
+    assert "replicaof redis 6379" in config(REDIS_ROLE="replica")
+    node = config(REDIS_ROLE="cluster", REDIS_ANNOUNCE_HOST="redis-node-4")
+    assert "cluster-enabled yes" in node and "cluster-announce-hostname redis-node-4" in node
+    assert "cluster-preferred-endpoint-type hostname" in node
+    for bad in ({"REDIS_ROLE": "primary"}, {"REDIS_ROLE": "cluster"},
+                {"REDIS_ROLE": "cluster", "REDIS_ANNOUNCE_HOST": "a b"}):  # fmt: skip
+        proc = subprocess.run(["/bin/sh", "-ec", _redis_script()], env={**env, **bad},
+                              capture_output=True, text=True, timeout=30)  # fmt: skip
+        assert proc.returncode == 2 and "redis:" in proc.stderr, bad
+
+
+@posix_only
+def test_a_real_server_takes_the_cluster_node_and_sentinel_configs(tmp_path: Path) -> None:
+    """The config the scripts write starts a real cluster node and a real Sentinel (paths
+    and the service name `redis` mapped to this machine)."""
+    binary = find_server_binary()
+    if binary is None:
+        pytest.skip("no redis-server binary (scripts/test.sh installs one)")
+    from accumulator._testing_cluster import _cluster_port
+
+    primary_port, node_port, sentinel_port = _free_port(), _cluster_port(), _free_port()
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    # redis-server reading its config from stdin or a file: /data and /tmp, the service name
+    # `redis` and the fixed ports mapped to this test's
+    _stub(bindir, "redis-server", textwrap.dedent(f"""\
+        if [ "$1" = - ]; then src=/dev/stdin; else src="$1"; fi
+        sed -e 's#/data/#{tmp_path}/#' -e 's#^port 26379#port {sentinel_port}#' \\
+            -e 's#mymaster redis 6379#mymaster 127.0.0.1 {primary_port}#' "$src" \\
+            > {tmp_path}/conf.$$
+        shift
+        exec {binary} {tmp_path}/conf.$$ "$@" --port "${{PORT}}" --bind 127.0.0.1 \\
+            --dir {tmp_path}
+    """))  # fmt: skip
+    env = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "REDISCLI_AUTH": PASSWORD}
+    env.pop("ACCSUM_MODULE", None)
+    procs = []
+    try:
+        def start(script: str, **extra: str) -> None:
+            out = open(tmp_path / f"out.{len(procs)}", "wb")  # noqa: SIM115 - closed at exit
+            procs.append(subprocess.Popen(["/bin/sh", "-ec", script], env={**env, **extra},
+                                          stdout=out, stderr=subprocess.STDOUT))  # fmt: skip
+
+        start(_redis_script(), PORT=str(primary_port))
+        start(_redis_script(), PORT=str(node_port), REDIS_ROLE="cluster",
+              REDIS_ANNOUNCE_HOST="redis-node-0")  # fmt: skip
+        start(_redis_script("x-sentinel: &sentinel"), PORT=str(sentinel_port))
+        node = redis.Redis(port=node_port, password=PASSWORD, socket_timeout=5)
+        sentinel = redis.Redis(port=sentinel_port, socket_timeout=5)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                info = node.info("cluster")
+                master = sentinel.sentinel_master("mymaster")
+                if info.get("cluster_enabled") == 1 and master.get("port") == primary_port:
+                    break
+            except (redis.ConnectionError, redis.ResponseError):
+                pass
+            assert all(p.poll() is None for p in procs), "a server exited: " + " | ".join(
+                (tmp_path / f"out.{i}").read_text(errors="replace")[-500:] for i in range(3)
+            )
+            assert time.monotonic() < deadline, "the servers did not come up"
+            time.sleep(0.1)
+        node.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)
+        shards = node.execute_command("CLUSTER", "SHARDS")
+        assert b"redis-node-0" in repr(shards).encode()  # the name clients are told
+        assert master["flags"] == {"master"} or "master" in str(master["flags"])
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(10)
+        Path("/tmp/sentinel.conf").unlink(missing_ok=True)  # the Sentinel script's, in /tmp
