@@ -1,7 +1,8 @@
-"""One server against a Redis Cluster (``scripts/bench.py --cluster``): aggregate applies/s
-of client processes spread over 64 accumulators, on 1 primary and on 3 primaries (a
-``LocalCluster`` without replicas), same run. Each accumulator lives in one slot, so many
-accumulators spread over the primaries; one accumulator's bytes do not (yet).
+"""One server against a Redis Cluster (``scripts/bench.py --cluster``), same run: aggregate
+applies/s of client processes spread over 64 accumulators, and the W=4 step of one
+accumulator of 64 MiB gradients, on 1 primary and on 3 primaries (a ``LocalCluster`` without
+replicas). Each accumulator lives in one slot, so many accumulators spread over the
+primaries; one accumulator's bytes do not (yet): its step is expected no faster there.
 
 On a machine with fewer cores than servers plus clients, the primaries share the cores:
 the ratio then shows the cost of the cluster client, not the gain of more CPUs."""
@@ -57,10 +58,51 @@ def applies_per_second(spec: str, processes: int, seconds: float) -> float:
     return total / seconds
 
 
+def step_ms(spec: str, nbytes: int, workers: int, runs: int) -> float:
+    """Median W-worker synchronous step (every worker applies once, the chief takes W)."""
+    import statistics
+
+    from _step_bench import _worker
+
+    import accumulator
+
+    ctx = mp.get_context("spawn")
+    name = f"cluster-step-{nbytes}-{time.monotonic_ns()}"
+    chief = accumulator.ConditionalAccumulator(np.float32, (nbytes // 4,), shared_name=name,
+                                               client=spec, max_pending_bytes=1 << 40)  # fmt: skip
+    pipes, procs = [], []
+    for i in range(workers):
+        mine, theirs = ctx.Pipe()
+        p = ctx.Process(target=_worker, args=(spec, name, nbytes, i, theirs), daemon=True)
+        p.start()
+        pipes.append(mine)
+        procs.append(p)
+    for c in pipes:
+        assert c.recv() == "ready"
+    times = []
+    for step in range(runs + 1):  # the first one warms up
+        t = time.perf_counter()
+        for c in pipes:
+            c.send(step)
+        chief.take_grad(workers, timeout=600)
+        for c in pipes:
+            assert c.recv() == "applied"
+        if step:
+            times.append(time.perf_counter() - t)
+    for c in pipes:
+        c.send(None)
+    for p in procs:
+        p.join(30)
+    chief.close()
+    return 1000 * statistics.median(times)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--processes", type=int, default=4)
     parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--step-mib", type=int, default=64, help="gradient of the step rows")
+    parser.add_argument("--step-runs", type=int, default=5)
     args = parser.parse_args(argv)
     from accumulator.testing import LocalCluster, RedisServer
 
@@ -68,14 +110,21 @@ def main(argv: list[str] | None = None) -> int:
         specs = {"1 primary": single.url,
                  "3 primaries": f"redis+cluster://127.0.0.1:{cluster.servers[0].port}"}  # fmt: skip
         rates: dict[str, list[float]] = {k: [] for k in specs}
+        steps: dict[str, list[float]] = {k: [] for k in specs}
         for _ in range(2):  # alternate, twice: noise hits both alike
             for name, spec in specs.items():
                 rates[name].append(applies_per_second(spec, args.processes, args.seconds))
+                steps[name].append(step_ms(spec, args.step_mib << 20, 4, args.step_runs))
     one, three = (max(rates[k]) for k in specs)
+    step_one, step_three = (min(steps[k]) for k in specs)
     print(f"cluster: aggregate applies/s over {N_ACCUMULATORS} accumulators, 4 KiB gradients, "
           f"{args.processes} client processes, {args.seconds:g} s (best of 2)")  # fmt: skip
     print(f"  1 primary:   {one:9.0f} applies/s")
     print(f"  3 primaries: {three:9.0f} applies/s   ratio {three / one:.2f}x")
+    print(f"cluster: W=4 step of one accumulator, {args.step_mib} MiB gradients, median of "
+          f"{args.step_runs} (best of 2)")  # fmt: skip
+    print(f"  1 primary:   {step_one:9.1f} ms")
+    print(f"  3 primaries: {step_three:9.1f} ms   ratio {step_three / step_one:.2f}x")
     return 0
 
 

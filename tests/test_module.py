@@ -303,7 +303,9 @@ def test_the_module_under_address_sanitizer(tmp_path):
         pytest.skip("needs redis-server and a compiler with AddressSanitizer")
     so = _module.build(sanitize=True, out_dir=tmp_path)
     assert so is not None
-    port = 20000 + os.getpid() % 20000
+    from accumulator._testing_groups import _free_port
+
+    port = _free_port()  # free now (a fixed guess once met another server's cluster bus port)
     log = tmp_path / "asan.log"
     env = dict(os.environ, LD_PRELOAD=runtime, UBSAN_OPTIONS="print_stacktrace=1",
                ASAN_OPTIONS=f"detect_leaks=0:log_path={log}")  # fmt: skip
@@ -312,12 +314,15 @@ def test_the_module_under_address_sanitizer(tmp_path):
                             stderr=subprocess.PIPE)  # fmt: skip
     try:
         r = redis.Redis(port=port, socket_timeout=30)
-        for _ in range(100):
+        for _ in range(200):
+            assert proc.poll() is None, "the ASan server exited at start"
             try:
                 r.ping()
                 break
             except redis.ConnectionError:
                 time.sleep(0.1)
+        else:
+            pytest.fail("the ASan server did not answer within 20 s")
         rng = np.random.default_rng(3)
         for dtype in DTYPES:
             for n in (0, 1, 7, 4096):
