@@ -234,14 +234,19 @@ def twin_cluster(client: Any) -> RedisCluster:
     from redis.cluster import ClusterNode
 
     nodes = client.get_nodes() or list(client.nodes_manager.startup_nodes.values())
-    kwargs = {k: v for k, v in client.connection_kwargs.items()
+    kwargs = node_settings(client.connection_kwargs)
+    return RedisCluster(startup_nodes=[ClusterNode(n.host, n.port) for n in nodes], **kwargs)
+
+
+def node_settings(connection_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """What a client of one node needs from an asyncio cluster client's connection settings:
+    credentials, timeouts, name, protocol, and TLS."""
+    kwargs = {k: v for k, v in connection_kwargs.items()
               if k in ("username", "password", "client_name", "protocol", "socket_timeout",
                        "socket_connect_timeout")}  # fmt: skip
-    if client.connection_kwargs.get("connection_class") is not None and "SSL" in getattr(
-        client.connection_kwargs["connection_class"], "__name__", ""
-    ):
+    if "SSL" in getattr(connection_kwargs.get("connection_class"), "__name__", ""):
         kwargs["ssl"] = True
-    return RedisCluster(startup_nodes=[ClusterNode(n.host, n.port) for n in nodes], **kwargs)
+    return kwargs
 
 
 def _is_valkey(client: object) -> bool:
@@ -323,6 +328,23 @@ def is_redirect(reply: Exception) -> bool:
                           redis.exceptions.ClusterDownError)):  # fmt: skip
         return True
     return str(reply).split(" ", 1)[0] in ("MOVED", "ASK", "TRYAGAIN", "CLUSTERDOWN")
+
+
+def moved_error(what: str, replies: list[Any]) -> redis.ConnectionError | None:
+    """For a batch sent to one node of a cluster: the transient error to raise (after
+    refreshing the slot map) when a reply is a redirect, else None."""
+    for reply in replies:
+        if isinstance(reply, redis.ResponseError) and is_redirect(reply):
+            return redis.ConnectionError(f"{what}: the slot moved ({reply}); sending again")
+    return None
+
+
+def raise_first_error(replies: list[Any]) -> list[Any]:
+    """The replies, or the first error among them raised."""
+    for reply in replies:
+        if isinstance(reply, Exception):
+            raise reply
+    return replies
 
 
 def cluster_url(url: str) -> str | None:

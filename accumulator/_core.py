@@ -20,7 +20,14 @@ from redis.client import PubSub
 from redis.exceptions import NoScriptError
 
 from . import _protocol, _retry, _scripts
-from ._connection import Client, Connections, connect, is_cluster, is_redirect
+from ._connection import (
+    Client,
+    Connections,
+    connect,
+    is_cluster,
+    moved_error,
+    raise_first_error,
+)
 from ._errors import CancelledError
 from ._keys import Keys
 from ._model import AccumulatorModel, server_of
@@ -286,15 +293,11 @@ def _on_node(client: Any, request: Batch) -> list[Any]:
         with contextlib.suppress(redis.RedisError, OSError):  # the node may be gone for now
             client.nodes_manager.initialize()
         raise
-    for reply in replies:
-        if isinstance(reply, redis.ResponseError) and is_redirect(reply):
-            client.nodes_manager.initialize()
-            raise redis.ConnectionError(f"{request.what}: the slot moved ({reply}); sending again")
-    if request.raise_on_error:
-        for reply in replies:
-            if isinstance(reply, Exception):
-                raise reply
-    return replies
+    moved = moved_error(request.what, replies)
+    if moved is not None:
+        client.nodes_manager.initialize()
+        raise moved
+    return raise_first_error(replies) if request.raise_on_error else replies
 
 
 def _each(client: Any, command: tuple[Any, ...], raise_on_error: bool) -> Any:

@@ -21,6 +21,8 @@ from typing import Any
 
 import redis
 
+from ._connection import is_redirect
+
 _RECV = 65536
 
 
@@ -146,7 +148,7 @@ def _cluster_get_into(
         try:
             got = get_into(node_client, [keys[i] for i in indices], [outs[i] for i in indices])
         except redis.ResponseError as exc:
-            if str(exc).split(" ", 1)[0] in ("MOVED", "ASK", "TRYAGAIN", "CLUSTERDOWN"):
+            if is_redirect(exc):
                 return None
             raise
         except redis.ConnectionError:

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import redis
+from _helpers import connect
 
 from accumulator import _module
 from accumulator.testing import LocalCluster, RedisServer, find_server_binary
@@ -57,13 +58,7 @@ class Target:
     def redis(self) -> Any:
         """A plain client for assertions about keys (a ``RedisCluster`` on the cluster)."""
         client = self.client()
-        if self.kind == "cluster":
-            from redis.cluster import RedisCluster
-
-            from accumulator._connection import cluster_url
-
-            return RedisCluster.from_url(cluster_url(str(client)) or "")
-        return redis.Redis.from_url(client) if isinstance(client, str) else client
+        return connect(client) if isinstance(client, str) else client
 
 
 @pytest.fixture(scope="session")

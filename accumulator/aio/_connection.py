@@ -22,6 +22,7 @@ from .._connection import (
     WAIT_SLICE,
     cluster_url,
     default_url,
+    node_settings,
     release,
     url_options,
 )
@@ -131,12 +132,7 @@ def node_client(cluster: Any, node: Any) -> aioredis.Redis:
     cache: dict[str, aioredis.Redis] = cluster.__dict__.setdefault("_accumulator_nodes", {})
     client = cache.get(node.name)
     if client is None:
-        kwargs = {k: v for k, v in cluster.connection_kwargs.items()
-                  if k in ("username", "password", "socket_timeout", "socket_connect_timeout",
-                           "client_name", "protocol")}  # fmt: skip
-        connection_class = cluster.connection_kwargs.get("connection_class")
-        if connection_class is not None and "SSL" in connection_class.__name__:
-            kwargs["ssl"] = True
+        kwargs = node_settings(cluster.connection_kwargs)
         client = aioredis.Redis(host=node.host, port=node.port, retry=_retry(), **kwargs)
         cache[node.name] = client
     return client

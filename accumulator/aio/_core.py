@@ -16,7 +16,7 @@ from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.exceptions import NoScriptError
 
 from .. import _retry, _scripts
-from .._connection import is_redirect
+from .._connection import moved_error, raise_first_error
 from .._errors import CancelledError
 from .._model import AccumulatorModel, server_of
 from .._requests import (
@@ -383,15 +383,11 @@ async def _on_node(client: Any, request: Batch) -> list[Any]:
         with contextlib.suppress(redis.RedisError, OSError):  # the node may be gone for now
             await client.nodes_manager.initialize()
         raise
-    for reply in replies:
-        if isinstance(reply, redis.ResponseError) and is_redirect(reply):
-            await client.nodes_manager.initialize()
-            raise redis.ConnectionError(f"{request.what}: the slot moved ({reply}); sending again")
-    if request.raise_on_error:
-        for reply in replies:
-            if isinstance(reply, Exception):
-                raise reply
-    return replies
+    moved = moved_error(request.what, replies)
+    if moved is not None:
+        await client.nodes_manager.initialize()
+        raise moved
+    return raise_first_error(replies) if request.raise_on_error else replies
 
 
 async def _each(client: Any, command: tuple[Any, ...], raise_on_error: bool) -> Any:
