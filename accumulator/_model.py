@@ -357,6 +357,8 @@ def _check_durability(durability: Durability | None) -> Ops[None]:
             # a replica refuses WAIT: a Sentinel-managed client reached the old primary in
             # a failover (the server can; the next write finds the new primary)
             return
+        if _scripts.is_no_permission(exc):  # the user's ACL, not the server: say so
+            raise _scripts.translate(exc) from exc
         raise UnavailableError(
             f"{durability.describe()}: the Redis server cannot confirm writes that way "
             f"({probe[0]} failed: {exc})"

@@ -120,11 +120,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"cluster: aggregate applies/s over {N_ACCUMULATORS} accumulators, 4 KiB gradients, "
           f"{args.processes} client processes, {args.seconds:g} s (best of 2)")  # fmt: skip
     print(f"  1 primary:   {one:9.0f} applies/s")
-    print(f"  3 primaries: {three:9.0f} applies/s   ratio {three / one:.2f}x")
+    print(f"  3 primaries: {three:9.0f} applies/s   3 vs 1: {three / one:.2f}x (> 1: better)")
     print(f"cluster: W=4 step of one accumulator, {args.step_mib} MiB gradients, median of "
           f"{args.step_runs} (best of 2)")  # fmt: skip
     print(f"  1 primary:   {step_one:9.1f} ms")
-    print(f"  3 primaries: {step_three:9.1f} ms   ratio {step_three / step_one:.2f}x")
+    speedup = step_one / step_three
+    print(f"  3 primaries: {step_three:9.1f} ms   3 vs 1: {speedup:.2f}x (> 1: better)")
     return 0
 
 

@@ -194,3 +194,24 @@ def test_cli_names_a_missing_permission(acl, real):
     assert code == 4
     assert "lacks a permission" in err.getvalue() and "Security" in err.getvalue()
     assert "pipeline" not in err.getvalue()
+
+
+def test_min_replicas_needs_wait_and_says_so(acl, real):
+    """The roles do not include WAIT: an accumulator asking for min_replicas with one of them
+    is refused when it opens, naming the missing right (not "the server cannot")."""
+    with pytest.raises(accumulator.PermissionDeniedError, match="wait"):
+        accumulator.ConditionalAccumulator(np.float32, SHAPE, shared_name="d",
+                                           client=acl("worker"), min_replicas=1)  # fmt: skip
+    durable = acl("worker", _acl.ROLES["worker"] + " +wait")
+    acc = accumulator.ConditionalAccumulator(np.float32, SHAPE, shared_name="d", client=durable,
+                                             min_replicas=0)  # fmt: skip
+    acc.close()
+    with_wait = accumulator.ConditionalAccumulator(np.float32, SHAPE, shared_name="d",
+                                                   client=durable, min_replicas=1)  # fmt: skip
+    with_wait.durability_timeout = 0.2
+    if real.kind == "cluster":  # every primary has a replica there: confirmed
+        assert with_wait.apply_grad(np.ones(SHAPE))
+    else:
+        with pytest.raises(accumulator.NotDurableError):  # no replica: opened, not confirmed
+            with_wait.apply_grad(np.ones(SHAPE))
+    with_wait.close()
