@@ -21,7 +21,7 @@ from typing import Any
 
 import redis
 
-from ._connection import is_redirect
+from ._connection import is_cluster, is_redirect
 
 _RECV = 65536
 
@@ -95,7 +95,7 @@ def get_into(
     """GET every key into its buffer (flat, writable byte views of the expected lengths), in
     one pipeline; per key whether it was there at that length. None: this client cannot be
     read this way (the caller uses redis-py)."""
-    if hasattr(client, "nodes_manager"):  # a redis.cluster.RedisCluster
+    if is_cluster(client):
         return _cluster_get_into(client, keys, outs)
     pool = getattr(client, "connection_pool", None)
     if pool is None or not keys:
@@ -133,18 +133,16 @@ def _cluster_get_into(
     """:func:`get_into` on a cluster: one pipeline per primary holding some of the keys, on
     that node's own client. None (the caller reads through redis-py's cluster client, which
     follows redirects and failovers) when a slot is moving or a node is unreachable."""
-    by_node: dict[str, list[int]] = {}
-    nodes: dict[str, Any] = {}
+    by_node: dict[str, tuple[Any, list[int]]] = {}  # node name -> (node, indices of its keys)
     try:
         for i, key in enumerate(keys):
             node = client.nodes_manager.get_node_from_slot(client.keyslot(key))
-            by_node.setdefault(node.name, []).append(i)
-            nodes[node.name] = node
+            by_node.setdefault(node.name, (node, []))[1].append(i)
     except (redis.RedisError, KeyError, IndexError):
         return None
     found: list[bool] = [False] * len(keys)
-    for name, indices in by_node.items():
-        node_client = client.get_redis_connection(nodes[name])
+    for node, indices in by_node.values():
+        node_client = client.get_redis_connection(node)
         try:
             got = get_into(node_client, [keys[i] for i in indices], [outs[i] for i in indices])
         except redis.ResponseError as exc:

@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
 
     with RedisServer(module=False) as single, LocalCluster(3, 0) as cluster:
         specs = {"1 primary": single.url,
-                 "3 primaries": f"redis+cluster://127.0.0.1:{cluster.servers[0].port}"}  # fmt: skip
+                 "3 primaries": cluster.cluster_url}  # fmt: skip
         rates: dict[str, list[float]] = {k: [] for k in specs}
         steps: dict[str, list[float]] = {k: [] for k in specs}
         for _ in range(2):  # alternate, twice: noise hits both alike

@@ -103,7 +103,7 @@ def cluster_url() -> Iterator[str]:
     if find_server_binary() is None:
         pytest.skip("no redis-server binary (scripts/test.sh installs one)")
     with LocalCluster(primaries=3, replicas_each=1) as cluster:
-        yield f"redis+cluster://127.0.0.1:{cluster.servers[0].port}"
+        yield cluster.cluster_url
 
 
 def _fresh_real(url: str, kind: str = "real") -> Target:

@@ -35,7 +35,7 @@ def cluster() -> Iterator[LocalCluster]:
 def client(request, cluster):
     cluster.client().flushall()
     if request.param == "url":
-        return f"redis+cluster://127.0.0.1:{cluster.servers[0].port}"
+        return cluster.cluster_url
     return cluster.client()
 
 
