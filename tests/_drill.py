@@ -285,6 +285,9 @@ class DrillConfig:
     wait_slice: float = 0.5
     seed: int = 0
     min_replicas: int = 0  # the processes' durability setting
+    # the first kind in ``faults`` happens at least this often: injecting goes on past
+    # ``seconds`` (up to twice as long) until it has (a slow machine's failovers are long)
+    min_faults: int = 2
 
 
 @dataclass
@@ -508,14 +511,17 @@ class Drill:
         started = time.monotonic()
         try:
             self._reap(running=True)
-            end = started + c.seconds
+            end, last = started + c.seconds, started + 2 * c.seconds
+            main = c.faults[0]
             next_fault = started + 2.0  # let the first processes come up
-            while time.monotonic() < end:
+            while time.monotonic() < end or (
+                self.faults[main] < c.min_faults and time.monotonic() < last
+            ):
                 self._reap(running=True)
                 if not self._alive("worker"):
                     break  # every id handed out and used
                 if time.monotonic() >= next_fault:
-                    kind = self._next_fault()
+                    kind = main if time.monotonic() >= end else self._next_fault()
                     detail = self.inject(kind)
                     self.fault_log.append((round(time.monotonic() - started, 2), kind, detail))
                     next_fault = time.monotonic() + self.rng.uniform(*c.fault_gap)
