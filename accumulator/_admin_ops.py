@@ -12,7 +12,36 @@ from . import _scripts
 from ._admin_read import _not_found, _scan, list_accumulators
 from ._core import leave
 from ._errors import InvalidArgumentError, NotFoundError
-from ._keys import DEFAULT_PREFIX, SCHEMA_VERSION, Keys
+from ._keys import DEFAULT_PREFIX, SCHEMA_VERSION, SCHEMAS, Keys
+from ._model import SWEEP_LEASE_MS
+
+
+def schema_of(r: redis.Redis, keys: Keys) -> int:
+    """The key schema an accumulator was created with (2, or 3: spread over slots), what
+    its scripts are called with; ``SCHEMA_VERSION`` when it does not exist or is foreign
+    (the script then says so)."""
+    have = r.hget(keys.state, "schema")
+    try:
+        schema = int(have) if have is not None else SCHEMA_VERSION
+    except ValueError:
+        return SCHEMA_VERSION
+    return schema if schema in SCHEMAS else SCHEMA_VERSION
+
+
+def sweep(r: redis.Redis, keys: Keys) -> int:
+    """Delete the parts of an accumulator's spread payloads that are garbage and due
+    (``lua/orphans.lua``): dropped, taken or quarantined ones, and registrations that ran
+    out. Returns how many payloads were swept."""
+    swept = 0
+    schema = schema_of(r, keys)
+    while True:
+        members = _scripts.call(r, "orphans", [keys.state, keys.orphans],
+                                [schema, "", 0, 200, SWEEP_LEASE_MS])  # fmt: skip
+        if not members:
+            return swept
+        _unlink(r, keys.payload_keys([m[1:] for m in members]))
+        r.zrem(keys.orphans, *members)
+        swept += len(members)
 
 
 def set_step(
@@ -23,7 +52,7 @@ def set_step(
         raise InvalidArgumentError(f"the global step must be an integer, got {n!r}")
     keys = Keys(container, shared_name, prefix)
     try:
-        old = _scripts.call(r, "set_step", [keys.state], [SCHEMA_VERSION, n])
+        old = _scripts.call(r, "set_step", [keys.state], [schema_of(r, keys), n])
     except NotFoundError as exc:
         raise _not_found(shared_name, container) from exc
     return int(old)
@@ -37,12 +66,14 @@ def reset(
     keys = Keys(container, shared_name, prefix)
     try:
         dropped, *blobs = _scripts.call(
-            r, "reset", [keys.state, keys.grads, keys.quarantine], [SCHEMA_VERSION]
-        )
+            r, "reset", [keys.state, keys.grads, keys.quarantine, keys.orphans],
+            [schema_of(r, keys)],
+        )  # fmt: skip
     except NotFoundError as exc:
         raise _not_found(shared_name, container) from exc
     blobs = [b for b in blobs if keys.is_blob(b)]  # the script returns only ours; twice sure
     _unlink(r, blobs)
+    sweep(r, keys)  # the spread payloads it dropped
     return int(dropped)
 
 
@@ -54,17 +85,23 @@ def delete(
     deleted; raises :class:`NotFoundError` when there was none."""
     keys = Keys(container, shared_name, prefix)
     fixed = [keys.state, keys.grads, keys.takers, keys.taker_info, keys.wake, keys.queue_wake,
-             keys.quarantine, keys.claims, keys.finished]  # fmt: skip
+             keys.quarantine, keys.claims, keys.finished, keys.orphans]  # fmt: skip
     # The state first, atomically with reading the round: from here on every script answers
     # NOTFOUND, so nothing new is added while the rest is found and removed.
     pipe = r.pipeline(transaction=True)
     pipe.lrange(keys.grads, 0, -1)
+    pipe.zrange(keys.orphans, 0, -1)
     pipe.unlink(*fixed)
-    entries, removed = pipe.execute()
+    entries, orphans, removed = pipe.execute()
     removed = int(removed)
+    # spread payloads not in the round: registered, dropped, taken (their parts elsewhere)
+    entries += [m[1:] if m[:1] == b"x" else m for m in orphans]
+    rest = sorted(_scan(r, keys.pattern))
+    for name in rest:  # claims' spread payloads (their parts are not under the pattern)
+        if name.startswith(keys.claim("").encode()):
+            entries += [e for e in r.lrange(name, 1, -1) if isinstance(e, bytes)]
     # round entries are untrusted: only this accumulator's own payload keys are deleted
     removed += _unlink(r, keys.payload_keys(entries))
-    rest = sorted(_scan(r, keys.pattern))
     for i in range(0, len(rest), 500):
         removed += int(r.unlink(*rest[i : i + 500]))
     if removed == 0:
@@ -112,22 +149,28 @@ def evict(
             pipe.watch(claim)
             entries = pipe.lrange(claim, 0, -1)
             # claim entries are untrusted: only this accumulator's own payload keys go
-            blobs = keys.payload_keys([e for e in entries[1:] if isinstance(e, bytes)])
+            own = [e for e in entries[1:] if isinstance(e, bytes)]
+            blobs = keys.payload_keys([e for e in own if not Keys.is_spread(e)])
+            spread = [b"x" + e for e in own if Keys.is_spread(e) and keys.entry_keys(e)]
             pipe.multi()
             for i in range(0, len(blobs), 500):
                 pipe.unlink(*blobs[i : i + 500])
+            if spread:  # other slots: garbage for the sweep below (no transaction spans them)
+                pipe.zadd(keys.orphans, dict.fromkeys(spread, 0))
             pipe.unlink(claim)
             pipe.hdel(keys.claims, taker_id)
             pipe.zrem(keys.takers, taker_id)
             pipe.hdel(keys.taker_info, taker_id)
             pipe.execute()
+        if spread:
+            sweep(r, keys)
         if entries:
             return "dropped"
         if waiting:
             return "left"
         raise NotFoundError(f"no taker {taker_id!r} waits on or holds a round of {shared_name!r}")
     try:
-        outcome = leave(r, keys, taker_id)
+        outcome = leave(r, keys, taker_id, schema_of(r, keys))
     except NotFoundError as exc:
         raise _not_found(shared_name, container) from exc
     if outcome == 1:

@@ -235,7 +235,7 @@ def describe(
         _key_bytes(k)
         for k in (
             keys.state, keys.grads, keys.takers, keys.taker_info, keys.wake, keys.queue_wake,
-            keys.quarantine, keys.claims, keys.finished,
+            keys.quarantine, keys.claims, keys.finished, keys.orphans,
         )
     }  # fmt: skip
     claim_head = _key_bytes(keys.claim(""))
@@ -279,7 +279,8 @@ def describe(
         keys=len(found),
         stray_keys=len(stray),
         quarantined=int(quarantined or 0),
-        memory_bytes=_memory_usage(r, sorted(found)) if memory else None,
+        # with the parts of spread payloads (other slots, not under the pattern)
+        memory_bytes=_memory_usage(r, sorted(found | referenced)) if memory else None,
     )
 
 

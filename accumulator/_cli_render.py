@@ -11,7 +11,7 @@ from typing import Any
 from . import _admin
 from ._cli_context import esc
 from ._codec import format_shape
-from ._keys import SCHEMA_VERSION
+from ._keys import SCHEMAS
 
 
 def fmt_bytes(n: int | None) -> str:
@@ -172,8 +172,9 @@ def render_show(info: _admin.Info, prev: _admin.Info | None = None) -> list[str]
     ]
     if info.detailed:
         head.append(("stored", storage))
-    if info.schema != str(SCHEMA_VERSION):
-        head.append(("key schema", f"{info.schema} (this library speaks {SCHEMA_VERSION})"))
+    if info.schema not in map(str, SCHEMAS):
+        speaks = " and ".join(map(str, SCHEMAS))
+        head.append(("key schema", f"{info.schema} (this library speaks {speaks})"))
     lines = [title, *_pairs(head)]
 
     stale = str(info.n_stale)

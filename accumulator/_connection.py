@@ -7,6 +7,7 @@ import hashlib
 import inspect
 import os
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias, cast
 
@@ -330,6 +331,16 @@ def is_redirect(reply: Exception) -> bool:
     return str(reply).split(" ", 1)[0] in ("MOVED", "ASK", "TRYAGAIN", "CLUSTERDOWN")
 
 
+def by_node(client: Any, keys: Sequence[str | bytes]) -> dict[str, tuple[Any, list[int]]]:
+    """On a cluster client (sync or asyncio, slot map loaded): node name -> (the primary
+    serving some of ``keys``, the indices of those keys), from the client's slot map."""
+    nodes: dict[str, tuple[Any, list[int]]] = {}
+    for i, key in enumerate(keys):
+        node = client.nodes_manager.get_node_from_slot(client.keyslot(key))
+        nodes.setdefault(node.name, (node, []))[1].append(i)
+    return nodes
+
+
 def moved_error(what: str, replies: list[Any]) -> redis.ConnectionError | None:
     """For a batch sent to one node of a cluster: the transient error to raise (after
     refreshing the slot map) when a reply is a redirect, else None."""
@@ -391,7 +402,10 @@ def _zero_copy_nodes(client: RedisCluster) -> RedisCluster:
         if node.redis_connection is not None:
             pool = node.redis_connection.connection_pool
             pool.connection_kwargs["command_packer"] = _PACKER
-            pool.disconnect()  # connections made from here on use it
+            # connections made from here on use it: the ones it has (the slot map's first
+            # query) are closed and dropped, not kept with redis-py's packer
+            pool.disconnect()
+            pool.reset()
     return client
 
 

@@ -23,13 +23,14 @@ from . import _protocol, _retry, _scripts
 from ._connection import (
     Client,
     Connections,
+    by_node,
     connect,
     is_cluster,
     moved_error,
     raise_first_error,
 )
 from ._errors import CancelledError
-from ._keys import Keys
+from ._keys import SCHEMA_VERSION, Keys
 from ._model import AccumulatorModel, server_of
 from ._requests import (
     Batch,
@@ -52,10 +53,10 @@ _A = TypeVar("_A", bound="AccumulatorBase")
 _T = TypeVar("_T")
 
 
-def leave(client: redis.Redis, keys: Keys, taker: str) -> int:
+def leave(client: redis.Redis, keys: Keys, taker: str, schema: int = SCHEMA_VERSION) -> int:
     """Run ``lua/leave.lua`` for one taker (see ``_protocol.leave_call``): 0 (it held no
     claim), 1 (given back) or -1 (the accumulator moved on)."""
-    call = _protocol.leave_call(keys, taker)
+    call = _protocol.leave_call(keys, taker, schema)
     return int(_scripts.call(client, call.name, call.keys, call.args))
 
 
@@ -88,9 +89,11 @@ class AccumulatorBase(AccumulatorModel):
         min_replicas: int = 0,
         wait_aof: bool = False,
         sum_in_redis: bool | None = None,
+        spread_parts: bool | None = None,
     ) -> None:
         self._setup(dtype, shape, shared_name, name, reduction_type, container,
-                    max_pending_bytes, sum_in_redis, min_replicas, wait_aof)  # fmt: skip
+                    max_pending_bytes, sum_in_redis, min_replicas, wait_aof,
+                    spread_parts)  # fmt: skip
         self._conns = connect(client)
         self._cluster = is_cluster(self._conns.commands)
         # connections of waits in progress: close() from another thread breaks them (the
@@ -98,7 +101,7 @@ class AccumulatorBase(AccumulatorModel):
         self._waits: set[Any] = set()
         self._waits_lock = threading.Lock()
         try:
-            self._run(self._open_ops(server_of(self._conns.commands)))
+            self._run(self._open_ops(server_of(self._conns.commands), self._cluster))
         except BaseException:
             self._conns.close()  # its share of the pools
             raise
@@ -203,6 +206,8 @@ class AccumulatorBase(AccumulatorModel):
         def send() -> list[Any]:
             if self._cluster and all(c[0] == "SCRIPT" for c in request.commands):
                 return [_each(commands, c, request.raise_on_error) for c in request.commands]
+            if request.tail is not None:
+                return _per_node(commands, request, self._cluster)
             if self._cluster and request.node_key is not None:
                 return _on_node(commands, request)
             pipe = commands.pipeline(transaction=False)
@@ -278,12 +283,36 @@ class AccumulatorBase(AccumulatorModel):
             return False
 
 
-def _on_node(client: Any, request: Batch) -> list[Any]:
-    """A batch on one connection to the node serving its ``node_key`` (a cluster pipeline
-    would send a keyless WAIT elsewhere). A slot on the move or a failover in progress
-    (MOVED, ASK, TRYAGAIN, CLUSTERDOWN in a reply) refreshes the slot map and raises a
-    transient error: the batch is sent again, whole (its commands are idempotent)."""
-    node = client.get_node_from_key(request.node_key)
+def _per_node(client: Any, request: Batch, cluster: bool) -> list[Any]:
+    """A batch with a ``tail``: on a cluster, one pipeline per node its commands' keys
+    go to, each ending with the tail; the replies in order, then the tails' replies."""
+    assert request.tail is not None
+    if not cluster:
+        pipe = client.pipeline(transaction=False)
+        for command in (*request.commands, request.tail):
+            pipe.execute_command(*command)
+        replies = list(pipe.execute(raise_on_error=False))
+        tail = replies.pop()
+        return [*(raise_first_error(replies) if request.raise_on_error else replies), [tail]]
+    out: list[Any] = [None] * len(request.commands)
+    tails = []
+    for node, indices in by_node(client, [c[1] for c in request.commands]).values():
+        sub = Batch(request.what, [*(request.commands[i] for i in indices), request.tail],
+                    raise_on_error=request.raise_on_error)  # fmt: skip
+        replies = _on_node(client, sub, node)
+        tails.append(replies.pop())
+        for i, reply in zip(indices, replies, strict=True):
+            out[i] = reply
+    return [*out, tails]
+
+
+def _on_node(client: Any, request: Batch, node: Any = None) -> list[Any]:
+    """A batch on one connection to the node serving its ``node_key`` (or ``node``): a
+    cluster pipeline would send a keyless WAIT elsewhere. A slot on the move or a failover in
+    progress (MOVED, ASK, TRYAGAIN, CLUSTERDOWN in a reply) refreshes the slot map and raises
+    a transient error: the batch is sent again, whole (its commands are idempotent)."""
+    if node is None:
+        node = client.get_node_from_key(request.node_key)
     pipe = client.get_redis_connection(node).pipeline(transaction=False)
     for command in request.commands:
         pipe.execute_command(*command)

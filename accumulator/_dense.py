@@ -139,6 +139,13 @@ class ConditionalAccumulator(AccumulatorBase, DenseOps):
     the server: yes when it runs the module and the dtype is float32/64 or an integer. Decided
     at creation and stored; every later opener follows it (:attr:`sums_in_redis`).
 
+    ``spread_parts``: whether a new accumulator stores each large gradient's parts under
+    hash tags of their own (one per part index), so that a Redis Cluster spreads one
+    accumulator's bytes over every primary, written and read one pipeline per node. ``None``
+    (default): yes when ``client`` is a cluster client and the accumulator is named and does
+    not sum in Redis. Decided at creation and stored (:attr:`spreads_parts`); clients older
+    than this option refuse such an accumulator rather than misread it.
+
     ``min_replicas``, ``wait_aof``: durability this object waits for (Redis replicates
     asynchronously: by default an acknowledged apply can vanish if the primary dies before a
     replica has it). Each apply returns only after ``WAIT`` confirms ``min_replicas``
@@ -163,11 +170,12 @@ class ConditionalAccumulator(AccumulatorBase, DenseOps):
         min_replicas: int = 0,
         wait_aof: bool = False,
         sum_in_redis: bool | None = None,
+        spread_parts: bool | None = None,
     ) -> None:
         super().__init__(dtype, shape, shared_name, name, reduction_type, client=client,
                          container=container, max_pending_bytes=max_pending_bytes,
                          sum_in_redis=sum_in_redis, min_replicas=min_replicas,
-                         wait_aof=wait_aof)  # fmt: skip
+                         wait_aof=wait_aof, spread_parts=spread_parts)  # fmt: skip
 
     def apply_grad(self, grad: Any, local_step: Any = 0, name: str | None = None) -> bool:
         """Add ``grad`` to the current round; ``False`` if dropped as stale.

@@ -27,6 +27,16 @@ key                    type    contents
 ``P{tag}:b:<cid>:<n>:<i>`` string  part ``i`` of a large gradient payload (raw little-endian
                                bytes): every part but the last is exactly
                                :data:`accumulator._chunks.CHUNK_BYTES` long
+``P{tag%p<i>}:b:<cid>:<n>:<i>``
+                       string  part ``i`` of a payload *spread over slots* (entry
+                               ``b"d<parts> " + blob``, schema 3, see :meth:`Keys.spread_part`):
+                               its own hash tag per part index, so a Redis Cluster keeps one
+                               accumulator's parts on every primary; no script touches them
+``P{tag}:o``           zset    spread payloads whose parts may have to be deleted: ``<entry>``
+                               registered by an apply before it writes the parts (scored by
+                               when the registration runs out, an hour on), and ``x<entry>``
+                               garbage (dropped, taken, quarantined: scored by when a sweeper
+                               may delete its parts; a sweeper leases it for a minute)
 ``P{tag}:d:<cid>``     string  last apply of client ``cid`` (retry dedup): ``"<seq>"`` if
                                accepted, ``"<seq> 0"`` if dropped as stale
 ``P{tag}:t``           zset    waiting takers, scored by join order (the FIFO)
@@ -67,6 +77,11 @@ from functools import cached_property
 
 #: 2: large payloads in parts (``p`` entries), which schema 1 clients cannot read.
 SCHEMA_VERSION = 2
+#: 3: an accumulator whose large payloads are spread over slots (``d`` entries, decided at
+#: creation): clients that speak only 2 refuse it rather than quarantine what they cannot
+#: read. This library speaks both.
+SPREAD_SCHEMA = 3
+SCHEMAS = (SCHEMA_VERSION, SPREAD_SCHEMA)
 DEFAULT_PREFIX = "acc"
 MAX_PARTS = 1 << 20  # parts of one payload (~1 TiB): the scripts' bound too
 
@@ -160,6 +175,29 @@ class Keys:
     def finished(self) -> str:
         return self.base + ":cd"
 
+    @cached_property
+    def orphans(self) -> str:
+        return self.base + ":o"
+
+    @cached_property
+    def _spread_head(self) -> bytes:
+        # the tag's inner text, then "%p": escaped names never hold "%" before a non-hex
+        # digit, so no accumulator's own tag can equal a spread part's
+        return self.base[:-1].encode() + b"%p"
+
+    @cached_property
+    def spread_pattern(self) -> str:
+        """SCAN MATCH pattern for every spread part of this accumulator (scan every node)."""
+        return glob_escape(self._spread_head.decode()) + "*"
+
+    def spread_part(self, blob: str | bytes, index: int) -> bytes:
+        """Key of part ``index`` of the spread payload ``blob`` (a blob key of this
+        accumulator): ``P{tag%p<index>}:b:<cid>:<seq>:<index>``, hashed apart from the
+        accumulator's other keys."""
+        raw = blob.encode() if isinstance(blob, str) else blob
+        tail = raw[len(self.base) :]  # b":b:<cid>:<seq>"
+        return self._spread_head + b"%d}" % index + tail + b":%d" % index
+
     def blob(self, client_id: str, seq: int) -> str:
         return f"{self.base}:b:{client_id}:{seq}"
 
@@ -170,6 +208,17 @@ class Keys:
     @cached_property
     def _part_re(self) -> re.Pattern[bytes]:
         return re.compile(re.escape(self.base.encode()) + rb":b:[0-9a-fA-F]+:[0-9]+:[0-9]+\Z")
+
+    @staticmethod
+    def is_spread(entry: bytes) -> bool:
+        """Whether a round entry is a payload spread over slots (``b"d<parts> <blob>"``)."""
+        return entry[:1] == b"d"
+
+    def spread_entry(self, blob: str, nbytes: int) -> bytes:
+        """The round entry of a spread payload of ``nbytes`` written under ``blob``."""
+        from ._chunks import n_parts
+
+        return b"d%d " % n_parts(nbytes) + blob.encode()
 
     def is_blob(self, key: bytes | str) -> bool:
         """True for a payload key (or payload part) of this accumulator, in exactly the form
@@ -199,10 +248,18 @@ class Keys:
     def entry_keys(self, entry: bytes) -> list[bytes] | None:
         """The payload keys a round entry names, in order (``[]`` for an inline payload), or
         None when it names anything but this accumulator's own payload keys (the twin of
-        ``entry_keys`` in ``lua/_common.lua``)."""
+        ``entry_keys`` in ``lua/_common.lua``, which gives ``[]`` for a spread entry: no
+        script touches other slots)."""
         kind = entry[:1]
         if kind == b"i":
             return []
+        if kind == b"d":  # b"d<parts> <blob>": spread over slots
+            head, _, blob = entry[1:].partition(b" ")
+            if not (head.isdigit() and head[:1] != b"0" and len(head) <= 7):
+                return None
+            if int(head) > MAX_PARTS or not self._blob_re.match(blob):
+                return None
+            return [self.spread_part(blob, i) for i in range(int(head))]
         if kind == b"k":
             return [entry[1:]] if self._blob_re.match(entry[1:]) else None
         first = 0

@@ -27,7 +27,7 @@ from ._errors import (
     NotFoundError,
     UnavailableError,
 )
-from ._keys import SCHEMA_VERSION, Keys
+from ._keys import SCHEMA_VERSION, SPREAD_SCHEMA, Keys
 from ._requests import Batch, Call, Command, Ops
 
 logger = logging.getLogger("accumulator")
@@ -41,6 +41,11 @@ INLINE_MAX_BYTES = 32 * 1024
 TAKER_LEASE_SECONDS = 6.0
 #: A payload written by an apply that never reached its script expires after this.
 ORPHAN_TTL_MS = 3600 * 1000
+#: A client deleting spread payloads' parts (dropped, taken, swept: ``lua/orphans.lua``) holds
+#: them this long before another sweeper may (lua/_common.lua has the same number).
+SWEEP_LEASE_MS = 60 * 1000
+#: Spread payloads one apply sweeps, at most, when there is garbage.
+SWEEP_COUNT = 16
 #: How long Redis remembers a client's last apply, to answer a retried one again.
 DEDUP_TTL_MS = 600 * 1000
 #: A claim is leased to its taker for this long, plus CLAIM_LEASE_MS_PER_MIB
@@ -148,6 +153,7 @@ class AccumulatorModel:
         sum_in_redis: bool | None,
         min_replicas: int = 0,
         wait_aof: bool = False,
+        spread_parts: bool | None = None,
     ) -> None:
         """Check the constructor's arguments and set the state (no I/O)."""
         durability_of(min_replicas, wait_aof, self.durability_timeout)  # checks them
@@ -159,6 +165,14 @@ class AccumulatorModel:
                 f"{sum_in_redis!r}"
             )
         self._want_sum = sum_in_redis
+        if spread_parts not in (None, True, False):
+            raise InvalidArgumentError(
+                f"spread_parts must be True, False or None (decide from the client), got "
+                f"{spread_parts!r}"
+            )
+        self._want_spread = spread_parts
+        #: the key schema this accumulator was created with (3: spread over slots; set by open)
+        self._schema = SCHEMA_VERSION
         if shared_name is not None:
             shared_name = _check_name(shared_name, "shared_name")
             if shared_name.startswith(PRIVATE_PREFIX):
@@ -231,6 +245,13 @@ class AccumulatorModel:
         return self._keys.base
 
     @property
+    def spreads_parts(self) -> bool:
+        """Whether this accumulator stores large gradients' parts spread over slots (one hash
+        tag per part index: every primary of a Redis Cluster holds some); decided when the
+        accumulator was created."""
+        return self._schema == SPREAD_SCHEMA
+
+    @property
     def sums_in_redis(self) -> bool:
         """Whether this accumulator keeps each round's running sum inside Redis (the accsum
         module; decided when the accumulator was created), rather than its taker summing."""
@@ -252,19 +273,30 @@ class AccumulatorModel:
 
     # -- open ---------------------------------------------------------------------------------
 
-    def _open_ops(self, where: tuple[Any, ...]) -> Ops[None]:
+    def _open_ops(self, where: tuple[Any, ...], cluster: bool = False) -> Ops[None]:
         """Register the scripts, create the accumulator or check the stored definition, and
-        warn once per server (``where``) about an evicting memory policy."""
+        warn once per server (``where``) about an evicting memory policy. ``cluster``: the
+        client is a cluster client (a new named accumulator then spreads its parts)."""
         ttl = PRIVATE_TTL_MS if self._private else 0
         limit = self._max_pending or DEFAULT_MAX_PENDING_BYTES
         explicit = 0 if self._max_pending is None else 1
         yield from _load_scripts()
         yield from _check_durability(self._durability())
-        summed = yield from self._sum_dtype_for_new()
-        created, existing, summed = yield Call(
+        summed = "" if self._want_spread else (yield from self._sum_dtype_for_new())
+        spread = self._want_spread
+        if spread is None:
+            spread = cluster and not self._private and not summed
+        if spread and (self._want_sum or self._private):
+            raise InvalidArgumentError(
+                "spread_parts=True: a private accumulator, or one that sums in Redis, keeps "
+                "its parts in its own slot"
+            )
+        created, existing, summed, schema = yield Call(
             "open", "open", [self._keys.state],
-            [SCHEMA_VERSION, self._definition.pack(), ttl, int(limit), explicit, summed],
+            [SPREAD_SCHEMA if spread else SCHEMA_VERSION, self._definition.pack(), ttl,
+             int(limit), explicit, summed],
         )  # fmt: skip
+        self._schema = int(schema)
         self._sum_dtype = summed.decode() if isinstance(summed, bytes) else (summed or "")
         if self._want_sum and not self._sum_dtype:
             logger.warning(
@@ -330,7 +362,7 @@ class AccumulatorModel:
         self._check_open()
         new = scalar_int(new_global_step, "new_global_step")
         old = int((yield Call("set_global_step", "set_step", [self._keys.state],
-                              [SCHEMA_VERSION, new])))  # fmt: skip
+                              [self._schema, new])))  # fmt: skip
         if new < old:
             logger.warning(
                 "Attempt to set current_global_step_ to smaller value: "

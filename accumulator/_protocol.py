@@ -71,7 +71,7 @@ def _parse_header(raw: bytes) -> tuple[int, int, int, tuple[int, ...] | None]:
     return int(parts[0]), int(parts[1]), int(parts[2]), shape
 
 
-def leave_call(keys: Keys, taker: str) -> Call:
+def leave_call(keys: Keys, taker: str, schema: int = SCHEMA_VERSION) -> Call:
     """The ``lua/leave.lua`` call for one taker: withdraw it from the FIFO and give back a
     round it claimed. Its reply: 0 (it held no claim), 1 (given back) or -1 (the accumulator
     moved on: the round is handed to the next take instead)."""
@@ -79,7 +79,7 @@ def leave_call(keys: Keys, taker: str) -> Call:
         "leave", "leave",
         [keys.state, keys.takers, keys.taker_info, keys.wake, keys.queue_wake,
          keys.claim(taker), keys.grads, keys.claims],
-        [taker, SCHEMA_VERSION], commit=True,
+        [taker, schema], commit=True,
     )  # fmt: skip
 
 
@@ -105,17 +105,23 @@ def apply(
     try:
         sent = yield from _send(acc, payload, shape_token, local_step, first_error,
                                 ident.client_id, ident.seq)  # fmt: skip
-        reply, blob, inline, acked = sent
+        reply, blob, inline, acked, garbage = sent
     finally:
         acc._identities.release(ident)
     code = int(reply[0])
+    if garbage or (acc.spreads_parts and not inline and code != 1):
+        # dropped (stale, refused: the script leased its parts to us) and what was swept
+        mine = [] if code == 1 else [b"x" + acc._keys.spread_entry(blob, nbytes)]
+        yield from discard(acc, [*mine, *garbage])
     # parts left to fold into the sum in Redis; a retry's answer does not say: look
     if code == 1 and not inline and acc._sum_dtype and (
         len(reply) > 4 and int(reply[4]) or int(reply[3])
     ):
         yield from fold(acc, blob)
     durability = acc._durability()
-    missing = durability.shortfall(acked) if durability and code == 1 else None
+    missing = None
+    if durability and code == 1:
+        missing = next(filter(None, (durability.shortfall(a) for a in acked)), None)
     if missing:
         raise NotDurableError(
             f"apply_grad on {acc._shared_name!r}: the gradient is applied on the primary, "
@@ -141,30 +147,107 @@ def apply(
 def _send(
     acc: AccumulatorModel, payload: memoryview, shape_token: str, local_step: int,
     first_error: str, cid: str, seq: int,
-) -> Ops[tuple[Any, str, bool, Any]]:  # fmt: skip
-    """The apply's pipeline: (script reply, payload key, inline, the durability wait's reply
-    or None). Every attempt sends the same (client id, seq): the script answers a retry of an
-    apply it already counted without counting it again."""
+) -> Ops[tuple[Any, str, bool, list[Any], list[bytes]]]:  # fmt: skip
+    """The apply's pipeline: (script reply, payload key, inline, the durability waits'
+    replies, spread garbage this apply is to sweep). Every attempt sends the same (client id,
+    seq): the script answers a retry of an apply it already counted without counting it
+    again."""
     nbytes = payload.nbytes
     k = acc._keys
     blob = k.blob(cid, seq)
-    keys = [k.state, k.grads, k.dedup(cid), k.takers, k.taker_info, k.wake, blob]
+    keys = [k.state, k.grads, k.dedup(cid), k.takers, k.taker_info, k.wake, blob, k.orphans]
     inline = nbytes <= _model.INLINE_MAX_BYTES
-    args = [SCHEMA_VERSION, seq, local_step, shape_token, "i" if inline else "p",
+    spread = not inline and acc.spreads_parts
+    args = [acc._schema, seq, local_step, shape_token, "i" if inline else "d" if spread else "p",
             b"i" + payload if inline else b"", nbytes, _model.DEDUP_TTL_MS,
             first_error]  # fmt: skip
     durability = acc._durability()
     if inline and durability is None:
-        return (yield Call("apply_grad", "apply", keys, args, commit=True)), blob, True, None
-    # The parts, each one chunk, straight from the caller's buffer (memoryview slices: no
-    # copy). NX: a retry must not re-arm the orphan expiry of a payload already accepted.
-    commands: list[tuple[Any, ...]] = [] if inline else [
-        ("SET", k.part(blob, i), payload[start:stop], "NX", "PX", _model.ORPHAN_TTL_MS)
-        for i, (start, stop) in enumerate(_chunks.part_ranges(nbytes))
-    ]  # fmt: skip
+        reply = yield Call("apply_grad", "apply", keys, args, commit=True)
+        return reply, blob, True, [], []
+    acked: list[Any] = []
+    garbage: list[bytes] = []
+    commands: list[tuple[Any, ...]] = []
+    if spread:
+        acked, garbage = yield from _send_spread(acc, payload, blob)
+    elif not inline:
+        # The parts, each one chunk, straight from the caller's buffer (memoryview slices:
+        # no copy). NX: a retry must not re-arm the orphan expiry of a payload accepted.
+        commands = [
+            ("SET", k.part(blob, i), payload[start:stop], "NX", "PX", _model.ORPHAN_TTL_MS)
+            for i, (start, stop) in enumerate(_chunks.part_ranges(nbytes))
+        ]  # fmt: skip
     commands.append(tuple(_scripts.evalsha_args("apply", keys, args)))
     replies = yield from _committed("apply_grad", commands, durability, k.state)
-    return replies[-1], blob, inline, replies.acked
+    if durability is not None:
+        acked.append(replies.acked)
+    return replies[-1], blob, inline, acked, garbage
+
+
+def _send_spread(
+    acc: AccumulatorModel, payload: memoryview, blob: str
+) -> Ops[tuple[list[Any], list[bytes]]]:
+    """Write a payload spread over slots: register it (lua/orphans.lua, which also hands out
+    garbage for this apply to sweep), then its parts, one pipeline per node, every reply
+    checked (the apply script cannot see them). Returns (the durability waits' replies, one
+    per node, the garbage)."""
+    k = acc._keys
+    entry = k.spread_entry(blob, payload.nbytes)
+    garbage = yield Call(
+        "apply_grad", "orphans", [k.state, k.orphans],
+        [acc._schema, entry, _model.ORPHAN_TTL_MS, _model.SWEEP_COUNT, _model.SWEEP_LEASE_MS],
+        commit=True,
+    )  # fmt: skip
+    durability = acc._durability()
+    # NX: a retried batch leaves a part already written alone (the same bytes)
+    commands = [
+        ("SET", k.spread_part(blob, i), payload[start:stop], "NX")
+        for i, (start, stop) in enumerate(_chunks.part_ranges(payload.nbytes))
+    ]  # fmt: skip
+    tail = durability.command() if durability is not None else None
+    replies = yield Batch("apply_grad", commands, raise_on_error=False, commit=True, tail=tail)
+    replies = list(replies)
+    acked = replies.pop() if tail is not None else []
+    if durability is not None:  # a wait that failed confirmed nothing
+        acked = [durability.unconfirmed() if isinstance(a, Exception) else a for a in acked]
+    failed = next((r for r in replies if isinstance(r, Exception)), None)
+    if failed is not None:
+        # refused (maxmemory, ACL): what was written goes, and the registration with it
+        yield from discard(acc, [entry])
+        raise _scripts.translate(failed) if isinstance(failed, ResponseError) else failed
+    return acked, [g for g in garbage if isinstance(g, bytes)]
+
+
+def sweep(acc: AccumulatorModel) -> Ops[None]:
+    """Delete the parts of spread payloads that are garbage and due (lua/orphans.lua)."""
+    k = acc._keys
+    try:
+        args = [acc._schema, "", 0, _model.SWEEP_COUNT, _model.SWEEP_LEASE_MS]
+        garbage = yield Call("sweep", "orphans", [k.state, k.orphans], args)
+    except Exception:  # noqa: BLE001 - the next sweeper does it
+        logger.debug("sweeping %s failed", k.base, exc_info=True)
+        return
+    yield from discard(acc, list(garbage))
+
+
+def discard(acc: AccumulatorModel, members: list[bytes]) -> Ops[None]:
+    """Delete the parts of spread payloads that are garbage (``x<entry>`` members of the
+    orphans zset, leased to this client; or this client's own registration of a payload it
+    failed to write), then the members. Best effort: a failure is logged,
+    and another sweeper deletes them once the lease ran out."""
+    k = acc._keys
+    entries = [m[1:] if m[:1] == b"x" else m for m in members]  # garbage, or a registration
+    parts = [key for e in entries if Keys.is_spread(e) for key in k.entry_keys(e) or ()]
+    try:
+        for i in range(0, len(parts), 512):
+            yield Batch("sweep", [("UNLINK", key) for key in parts[i : i + 512]])
+        if members:
+            yield Command("sweep", ("ZREM", k.orphans, *members))
+    except Exception:  # noqa: BLE001 - the lease runs out; the next sweeper finishes
+        logger.warning(
+            "could not delete the parts of %d dropped gradients of %r (the next apply sweeps "
+            "them)", len(members), acc._shared_name, exc_info=True,
+        )  # fmt: skip
 
 
 class _Replies(list[Any]):
@@ -204,7 +287,7 @@ def fold(acc: AccumulatorModel, blob: str) -> Ops[None]:
     already counted: a failure here is logged, not raised (the taker reads the parts
     not folded in yet), and a retried call folds nothing twice."""
     call = Call("apply_grad (folding)", "fold", [acc._keys.state, acc._keys.grads],
-                [SCHEMA_VERSION, blob, _chunks.FOLD_PARTS])  # fmt: skip
+                [acc._schema, blob, _chunks.FOLD_PARTS])  # fmt: skip
     try:
         while int((yield call)):
             pass
@@ -263,6 +346,7 @@ def take(
     claim_key = k.claim(taker)
     lease_ms = int(acc.taker_lease * 1000)
     take_call = Call("take_grad", "take", *take_script_args(acc, taker, n, lease_ms))
+    checked: dict[bytes, bytes] = {}  # spread entries' lengths (or why unusable), as found
     deadline = None if seconds is None else time.monotonic() + seconds
     queue: Any = None  # a subscription, while queued behind another taker
     try:
@@ -272,12 +356,19 @@ def take(
             if cancel is not None and cancel.is_set():
                 raise CancelledError("take_grad was cancelled (its cancel event is set)")
             reply = yield take_call
+            if int(reply[0]) == 2:  # spread entries to check before the script may claim
+                checked.update((yield from _check_spread(acc, reply[1])))
+                take_call = Call("take_grad", "take",
+                                 *take_script_args(acc, taker, n, lease_ms, checked))  # fmt: skip
+                continue
             if len(reply) > 2 and int(reply[2] or 0):
                 logger.warning(
                     "take_grad on %r quarantined %d corrupt gradient entries (foreign key "
                     "names, missing or resized payloads); see `accumulator show`",
                     acc._shared_name, int(reply[2]),
                 )  # fmt: skip
+                if acc.spreads_parts:  # their parts are garbage now
+                    yield from sweep(acc)
             if int(reply[0]) == 1:
                 entries = reply[1]
                 if len(reply) > 3 and int(reply[3] or 0):
@@ -330,12 +421,42 @@ def take(
     return result
 
 
+def _check_spread(acc: AccumulatorModel, entries: list[bytes]) -> Ops[dict[bytes, bytes]]:
+    """Each spread entry's payload length, found by STRLEN of its parts (one pipeline per
+    node), or why it cannot be read: ``missing``, ``part <i> length <n>`` (the twin of
+    ``entry_length`` in lua/_common.lua), ``foreign``."""
+    found: dict[bytes, bytes] = {}
+    wanted: list[tuple[bytes, list[bytes]]] = []
+    for entry in entries:
+        keys = acc._keys.entry_keys(entry) if Keys.is_spread(entry) else None
+        if keys is None:
+            found[entry] = b"foreign"
+        else:
+            wanted.append((entry, keys))
+    commands = [("STRLEN", key) for _, keys in wanted for key in keys]
+    lengths = iter((yield Batch("take_grad (checking)", commands)) if commands else ())
+    for entry, keys in wanted:
+        total, why = 0, b""
+        for i in range(len(keys)):
+            n = int(next(lengths))
+            longest = _chunks.CHUNK_BYTES if len(keys) > 1 else _chunks.SOLE_PART_BYTES
+            if n == 0:
+                why = why or b"missing"
+            elif n > longest or (i < len(keys) - 1 and n != _chunks.CHUNK_BYTES):
+                why = why or b"part %d length %d" % (i, n)
+            total += n
+        found[entry] = why or b"%d" % total
+    return found
+
+
 def _finish(acc: AccumulatorModel, taker: str, claim_key: str, blob_keys: list[bytes]) -> Ops[None]:
     """The round is read and reduced: release its lease and free its keys. Raises when
     the lease had run out and another taker took the round over (the caller must not
     return it then: it would be counted twice)."""
     k = acc._keys
-    keys: list[str | bytes] = [k.state, claim_key, k.claims, k.finished, *blob_keys]
+    # spread parts (other slots) are not the script's: it makes them garbage for us to sweep
+    keys: list[str | bytes] = [k.state, claim_key, k.claims, k.finished, k.orphans,
+                               *(key for key in blob_keys if k.is_blob(key))]  # fmt: skip
     durability = acc._durability()
     what = "take_grad (finishing)"
     if durability is None:
@@ -353,13 +474,18 @@ def _finish(acc: AccumulatorModel, taker: str, claim_key: str, blob_keys: list[b
                 "within %gs (a failover now could let another take take it again)",
                 acc._shared_name, missing, durability.timeout,
             )  # fmt: skip
+    garbage: list[bytes] = []
+    if isinstance(ours, list):  # (1, the spread payloads' garbage, leased to this taker)
+        ours, garbage = ours
     if not int(ours):
         raise AccumulatorError(_taken_over_message(acc))
+    if garbage:
+        yield from discard(acc, list(garbage))
 
 
 def _leave(acc: AccumulatorModel, taker: str, claim_key: str) -> Ops[None]:
     try:
-        outcome = int((yield leave_call(acc._keys, taker)))
+        outcome = int((yield leave_call(acc._keys, taker, acc._schema)))
     except Exception:  # noqa: BLE001 - the lease expires on its own if Redis is unreachable
         logger.warning("could not withdraw taker %s from %s", taker, acc._keys.base,
                        exc_info=True)  # fmt: skip
@@ -398,15 +524,20 @@ def _timeout_message(acc: AccumulatorModel, n: int, timeout: float) -> Ops[str]:
 
 
 def take_script_args(
-    acc: AccumulatorModel, taker: str, n: int, lease_ms: int
-) -> tuple[list[Any], list[Any]]:
-    """KEYS and ARGV of the take script (see lua/take.lua)."""
+    acc: AccumulatorModel, taker: str, n: int, lease_ms: int,
+    checked: dict[bytes, bytes] | None = None,
+) -> tuple[list[Any], list[Any]]:  # fmt: skip
+    """KEYS and ARGV of the take script (see lua/take.lua); ``checked``: spread entries'
+    lengths as :func:`_check_spread` found them."""
     k = acc._keys
     keys = [k.state, k.grads, k.takers, k.taker_info, k.claim(taker), k.wake, k.queue_wake,
-            k.quarantine, k.claims]  # fmt: skip
+            k.quarantine, k.claims, k.orphans]  # fmt: skip
     claim_ms = _model.CLAIM_LEASE_MS if acc.claim_lease is None else int(acc.claim_lease * 1000)
-    args = [SCHEMA_VERSION, taker, n, lease_ms, "s" if acc._kind == "sparse" else "d",
-            acc.dtype.itemsize, claim_ms, _model.CLAIM_LEASE_MS_PER_MIB]  # fmt: skip
+    args = [acc._schema, taker, n, lease_ms, "s" if acc._kind == "sparse" else "d",
+            acc.dtype.itemsize, claim_ms, _model.CLAIM_LEASE_MS_PER_MIB,
+            len(checked or ())]  # fmt: skip
+    for entry, found in (checked or {}).items():
+        args += [entry, found]
     return keys, args
 
 

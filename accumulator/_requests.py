@@ -52,6 +52,11 @@ class Batch:
     #: On a cluster, send every command on one connection to the node serving this key (a
     #: durability WAIT must follow the writes it confirms on their connection).
     node_key: str | bytes | None = None
+    #: A command (a durability WAIT) to follow the commands on every connection they went
+    #: through: on a cluster each command goes to the node serving its key (``args[1]``), one
+    #: pipeline per node, each ending with ``tail``. The reply then has one more element, the
+    #: list of the tails' replies (one per node).
+    tail: tuple[Any, ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from ._errors import (
     SchemaVersionError,
     UnavailableError,
 )
-from ._keys import SCHEMA_VERSION
+from ._keys import SCHEMAS
 from ._requests import advance
 
 logger = logging.getLogger("accumulator")
@@ -35,7 +35,7 @@ logger = logging.getLogger("accumulator")
 #: The accumulators' scripts, registered (:func:`load_commands`) when an accumulator opens. The
 #: sync helper's own (``sync_lease``, ``sync_count``: keys of ``accumulator.sync``, not an
 #: accumulator's) are called by name too and loaded on first use (NOSCRIPT).
-NAMES = ("open", "apply", "fold", "take", "finish", "leave", "set_step", "reset")
+NAMES = ("open", "apply", "fold", "take", "finish", "leave", "set_step", "reset", "orphans")
 ERROR_PREFIX = "ACCERR "
 
 
@@ -172,7 +172,7 @@ def translate(exc: Exception) -> Exception:
         have = words[1] if len(words) > 1 else "?"
         return SchemaVersionError(
             f"the accumulator was written with key schema version {have}; this library "
-            f"speaks version {SCHEMA_VERSION}"
+            f"speaks versions {' and '.join(map(str, SCHEMAS))}"
         )
     if what == "NOPERM":
         command = words[1] if len(words) > 1 else "?"
@@ -184,7 +184,8 @@ def translate(exc: Exception) -> Exception:
     if what == "NOBLOB":
         return ResourceExhaustedError(
             "the gradient's payload was not stored (Redis at maxmemory, or the key was evicted "
-            "or changed); nothing was applied"
+            "or changed; or, spread over slots, it was not recorded within an hour of being "
+            "written and was swept); nothing was applied"
         )
     if what == "NOMODULE":
         return UnavailableError(

@@ -221,7 +221,8 @@ class SparseConditionalAccumulator(AccumulatorBase, SparseOps):
 
     What is shared across hosts (every process opening the same ``shared_name`` in the same
     ``container`` on the same server), and the arguments (``client``...): as for
-    :class:`ConditionalAccumulator`, and so are ``min_replicas`` and ``wait_aof``. Sparse
+    :class:`ConditionalAccumulator`, and so are ``min_replicas``, ``wait_aof`` and
+    ``spread_parts``. Sparse
     rounds are always summed by the taker.
     """
 
@@ -238,10 +239,12 @@ class SparseConditionalAccumulator(AccumulatorBase, SparseOps):
         max_pending_bytes: int | None = None,
         min_replicas: int = 0,
         wait_aof: bool = False,
+        spread_parts: bool | None = None,
     ) -> None:
         super().__init__(dtype, shape, shared_name, name, reduction_type, client=client,
                          container=container, max_pending_bytes=max_pending_bytes,
-                         min_replicas=min_replicas, wait_aof=wait_aof)  # fmt: skip
+                         min_replicas=min_replicas, wait_aof=wait_aof,
+                         spread_parts=spread_parts)  # fmt: skip
 
     def apply_grad(
         self,

@@ -138,16 +138,48 @@ local MAX_PARTS = 1048576
 -- other clients are served between them. accumulator/_chunks.py has the same number.
 local FOLD = 8
 
+-- A spread entry, 'd' .. n .. ' ' .. blob key: a payload in n parts spread over other slots
+-- (accumulator/_keys.py, Keys.spread_part), which the client writes, checks and reads; scripts
+-- only record the entry. n, or nil when the entry is not one of this accumulator's.
+local function spread_parts(base, entry)
+  local n, blob = string.match(entry, '^d([1-9]%d?%d?%d?%d?%d?%d?) (.+)$')
+  n = tonumber(n)
+  if not n or n > MAX_PARTS or not is_own(base, blob, 'b') then return nil end
+  return n
+end
+
+-- How long a client that dropped, took or swept spread payloads holds them to delete their
+-- parts, before any other sweeper may (orphans.lua). accumulator/_model.py has the same.
+local SWEEP_LEASE_MS = 60000
+
+-- The spread entries among `entries` become garbage in the orphans zset: a sweeper deletes
+-- their parts from `due` ms on (the caller's own lease, or now: anyone's). Returns them.
+local function discard_spread(base, orphans, entries, due)
+  local out = {}
+  for _, entry in ipairs(entries) do
+    if string.sub(entry, 1, 1) == 'd' and spread_parts(base, entry) then
+      redis.call('ZADD', orphans, int_str(due), 'x' .. entry)
+      out[#out + 1] = 'x' .. entry
+    end
+  end
+  return out
+end
+
 -- The payload keys a round entry names, or nil and why not. Entries: 'i' .. payload (inline,
 -- no key), 'k' .. blob key (one key), 'p' .. n .. ' ' .. blob key (parts blob:0 .. blob:n-1),
 -- 's' .. w .. ' ' .. n .. ' ' .. blob key: the running sum of w gradients, kept in Redis by
 -- the accsum module (parts as for 'p'), 'f' .. k .. ' ' .. n .. ' ' .. blob key: a gradient
 -- being folded into that sum: its parts 0 .. k-1 are in the sum already (and freed), parts
 -- blob:k .. blob:n-1 are still its own (0 < k < n).
+-- 'd' .. n .. ' ' .. blob key: spread over other slots (see spread_parts): no keys here.
 -- Only this accumulator's own payload keys are ever named: anything else is 'foreign'.
 local function entry_keys(base, entry)
   local kind = string.sub(entry, 1, 1)
   if kind == 'i' then return {} end
+  if kind == 'd' then  -- none in this slot
+    if spread_parts(base, entry) then return {} end
+    return nil, 'foreign'
+  end
   if kind == 'k' then
     local key = string.sub(entry, 2)
     if is_own(base, key, 'b') then return {key} end

@@ -2,9 +2,13 @@
 -- written to its own key (KEYS[7]) by the same pipeline; a small one comes inline in ARGV[6].
 -- KEYS[1] state  KEYS[2] grads list  KEYS[3] dedup key of this client  KEYS[4] takers zset
 -- KEYS[5] taker info hash  KEYS[6] head wake list  KEYS[7] blob key (unused when inline)
+-- KEYS[8] orphans zset (spread payloads: see orphans.lua)
 -- ARGV[1] schema  ARGV[2] client seq  ARGV[3] local_step  ARGV[4] shape token
 -- ARGV[5] 'i' inline | 'k' one blob key | 'p' parts KEYS[7]:0 .. :n-1 of CHUNK bytes each (the
 --         last one shorter), n = n_parts(payload bytes) (one part up to SOLE bytes)
+--         | 'd' parts spread over slots (Keys.spread_part): written by the client, which checked
+--         every write's reply; registered in the orphans zset by orphans.lua before (no
+--         registration, or one that ran out: refused, NOBLOB; its parts are being swept)
 -- ARGV[6] 'i' .. inline payload  ARGV[7] payload bytes
 -- ARGV[8] dedup ttl ms  ARGV[9] why the gradient may not open a round ('' = it may): the
 --         client's check against the declared shape, which TF applies to a round's first
@@ -20,34 +24,42 @@
 -- Every input and permission is checked before the first write; a refused apply changes
 -- nothing but the n_rejected statistic (and drops its own payload key).
 local state, grads, dedup, blob = KEYS[1], KEYS[2], KEYS[3], KEYS[7]
-local base, kerr = own_keys({':g', '', ':t', ':ti', ':w', ''})
+local base, kerr = own_keys({':g', '', ':t', ':ti', ':w', '', ':o'})
 if not base then return kerr end
 if not is_own(base, dedup, 'd') or not is_own(base, blob, 'b') then return acc_error('BADKEY') end
 local seq, inline, nbytes = ARGV[2], ARGV[5] == 'i', ARGV[7]
-if not (is_count(seq) and is_int64(ARGV[3]) and (inline or ARGV[5] == 'k' or ARGV[5] == 'p')
+local spread, orphans = ARGV[5] == 'd', KEYS[8]
+if not (is_count(seq) and is_int64(ARGV[3])
+    and (inline or ARGV[5] == 'k' or ARGV[5] == 'p' or spread)
     and string.find(ARGV[4], '^[%d,]*$') and is_count(nbytes) and is_count(ARGV[8])
     and (not inline or (string.sub(ARGV[6], 1, 1) == 'i' and #ARGV[6] - 1 == tonumber(nbytes)))) then
   return acc_error('BADARG apply')
 end
 local entry = 'k' .. blob
-if ARGV[5] == 'p' then
+if ARGV[5] == 'p' or spread then
   local parts = n_parts(tonumber(nbytes))
   if parts < 1 or parts > MAX_PARTS then return acc_error('BADARG apply parts') end
-  entry = 'p' .. int_str(parts) .. ' ' .. blob
+  entry = (spread and 'd' or 'p') .. int_str(parts) .. ' ' .. blob
 end
 local payload_keys = inline and {} or entry_keys(base, entry)
-local function drop_payload()  -- nobody will ever reference it
-  if #payload_keys > 0 then unlink_all(payload_keys) end
-end
 local err, st = read_state(state, ARGV[1], {'step', 'count', 'rshape', 'ttl', 'bytes',
   'n_applied', 'maxbytes', 'sum'})
+local function drop_payload()  -- nobody will ever reference it
+  if #payload_keys > 0 then unlink_all(payload_keys) end
+  if spread and not err then
+    -- its parts are the client's to delete at once (it holds the lease), else a sweeper's
+    redis.call('ZREM', orphans, entry)
+    discard_spread(base, orphans, {entry}, now_ms() + SWEEP_LEASE_MS)
+  end
+end
 if err then
   drop_payload()
   return err
 end
 err = check_acl({{'GET', dedup}, {'SET', dedup}, {'UNLINK', blob}, {'HSET', state},
   {'HINCRBY', state}, {'RPUSH', grads}, {'PEXPIRE', state}, {'PERSIST', blob},
-  {'ZRANGE', KEYS[4]}, {'HGET', KEYS[5]}, {'RPUSH', KEYS[6]}, {'LTRIM', KEYS[6]}})
+  {'ZRANGE', KEYS[4]}, {'HGET', KEYS[5]}, {'RPUSH', KEYS[6]}, {'LTRIM', KEYS[6]},
+  {'ZSCORE', orphans}, {'ZREM', orphans}, {'ZADD', orphans}})
 if err then return err end
 local step, count = st.step, tonumber(st.count)
 
@@ -59,14 +71,17 @@ if prev then
   if pseq == seq then
     redis.call('PEXPIRE', dedup, ARGV[8])
     -- the retry re-sent the payload with SET NX: a dropped one must not linger
-    if pres == '0' then drop_payload() end
+    if pres == '0' then drop_payload() elseif spread then redis.call('ZREM', orphans, entry) end
     return {pres == '0' and 0 or 1, step, count, 1}
   end
 end
 
 -- The payload must be there, whole: a SET refused at maxmemory, an evicted or tampered key
 -- would otherwise be accepted here and fail the take that claims it.
-if not inline then
+if spread then
+  -- its parts were checked by the client; registered still, nobody sweeps them
+  if not redis.call('ZSCORE', orphans, entry) then return acc_error('NOBLOB ' .. blob) end
+elseif not inline then
   local len = entry_length(entry, payload_keys)
   if len ~= tonumber(nbytes) then return acc_error('NOBLOB ' .. blob) end
 end
@@ -132,7 +147,10 @@ if st.maxbytes and total > tonumber(st.maxbytes) then
 end
 
 redis.call('SET', dedup, seq, 'PX', ARGV[8])
-if inline then
+if spread then
+  redis.call('ZREM', orphans, entry)  -- in the round now: no sweeper may touch its parts
+  redis.call('RPUSH', grads, entry)
+elseif inline then
   redis.call('RPUSH', grads, ARGV[6])  -- already tagged 'i' by the client (no copy here)
 elseif into then
   -- At most FOLD parts are added here; the client folds the rest in with fold.lua, a few

@@ -1,24 +1,28 @@
 -- finish: a taker has read and reduced its claimed round: free the claim, its payload keys
 -- and its lease (after this nobody can take the round over).
 -- KEYS[1] state  KEYS[2] claim list of this taker  KEYS[3] claim registry hash
--- KEYS[4] finished-takes zset  KEYS[5..] the payload keys the claim named
+-- KEYS[4] finished-takes zset  KEYS[5] orphans zset  KEYS[6..] the payload keys the claim
+-- named in this slot
 -- ARGV[1] taker id
 -- Returns 1 if the round was this taker's to keep (also on a retry: the finished-takes zset
 -- remembers a finish for two minutes), 0 if its lease had run out and another taker
--- took it over: the caller must not use the round then.
+-- took it over: the caller must not use the round then. A round with spread payloads (their
+-- parts in other slots): {1, {garbage...}}, the orphans members the caller is to delete (see
+-- orphans.lua), leased to it.
 --
 -- The finished takes are a zset scored by finish time, pruned here by score, so that the
 -- registry (scanned by every take for leases that ran out) holds live claims only: its size
 -- is the number of claims in flight, not the number of takes in the last two minutes.
-local base, kerr = own_keys({'', ':cl', ':cd'})
+local base, kerr = own_keys({'', ':cl', ':cd', ':o'})
 if not base then return kerr end
 local claim, me, done = KEYS[2], ARGV[1], KEYS[4]
 if claim ~= base .. ':c:' .. me or not is_own(base, claim, 'c') then return acc_error('BADARG finish') end
-for i = 5, #KEYS do
+for i = 6, #KEYS do
   if not (is_own(base, KEYS[i], 'b') or is_own(base, KEYS[i], 'p')) then return acc_error('BADKEY ' .. i) end
 end
 local err = check_acl({{'HDEL', KEYS[3]}, {'ZADD', done}, {'ZREMRANGEBYSCORE', done},
-  {'PEXPIRE', done}, {'UNLINK', claim}, {'UNLINK', base .. ':b:0:0'}})
+  {'PEXPIRE', done}, {'UNLINK', claim}, {'UNLINK', base .. ':b:0:0'}, {'LRANGE', claim},
+  {'ZADD', KEYS[5]}})
 if err then return err end
 local mark = redis.call('HGET', KEYS[3], me)
 if not mark then
@@ -31,7 +35,10 @@ redis.call('HDEL', KEYS[3], me)
 redis.call('ZADD', done, now, me)
 redis.call('ZREMRANGEBYSCORE', done, '-inf', '(' .. int_str(now - FINISH_MEMORY_MS))
 redis.call('PEXPIRE', done, FINISH_MEMORY_MS)
+local garbage = discard_spread(base, KEYS[5], redis.call('LRANGE', claim, 1, -1),
+  now + SWEEP_LEASE_MS)
 local keys = {claim}
-for i = 5, #KEYS do keys[#keys + 1] = KEYS[i] end
+for i = 6, #KEYS do keys[#keys + 1] = KEYS[i] end
 unlink_all(keys)
+if #garbage > 0 then return {1, garbage} end
 return 1

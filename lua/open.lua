@@ -1,21 +1,23 @@
 -- open: create the accumulator if it does not exist, else return the creator's definition.
 -- KEYS[1] state hash
--- ARGV[1] schema version  ARGV[2] definition (msgpack)  ARGV[3] safety-net ttl ms (0 = none)
+-- ARGV[1] schema version of a new accumulator: 2, or 3 when its large payloads are to be
+--         spread over slots ('d' entries; clients speaking 2 only then refuse it)  ARGV[2] definition (msgpack)  ARGV[3] safety-net ttl ms (0 = none)
 -- ARGV[4] pending-bytes limit  ARGV[5] '1' when the opener chose that limit explicitly (it
 --         then replaces the stored one), '0' when it is the library default (kept if set)
 -- ARGV[6] the accsum module's dtype when a new accumulator keeps its sums in Redis, else ''
 --         (decided once, at creation: every client of it then agrees)
--- Returns {1, def, sum} when created, {0, def, sum} when it existed (the client compares
--- definitions; sum = the stored module dtype or '').
+-- Returns {1, def, sum, schema} when created, {0, def, sum, schema} when it existed (the
+-- client compares definitions; sum = the stored module dtype or ''; schema: 2 or 3, what
+-- every other script of this accumulator is to be called with).
 local state = KEYS[1]
 if not own_keys({}) then return acc_error('BADKEY 1') end
 if not (is_count(ARGV[3]) and is_count(ARGV[4]) and (ARGV[5] == '0' or ARGV[5] == '1')
-    and string.find(ARGV[6] or '', '^[fiu]?%d*$')) then
+    and string.find(ARGV[6] or '', '^[fiu]?%d*$') and (ARGV[1] == '2' or ARGV[1] == '3')) then
   return acc_error('BADARG open')
 end
 local have = redis.call('HGET', state, 'schema')
 if have then
-  if have ~= ARGV[1] then return acc_error('SCHEMA ' .. have) end
+  if have ~= '2' and have ~= '3' then return acc_error('SCHEMA ' .. have) end
   local err = check_acl({{'HSET', state}, {'HSETNX', state}})
   if err then return err end
   if ARGV[5] == '1' then
@@ -24,7 +26,7 @@ if have then
     redis.call('HSETNX', state, 'maxbytes', ARGV[4])  -- written by an older version: none yet
   end
   local stored = redis.call('HMGET', state, 'def', 'sum')
-  return {0, stored[1], stored[2] or ''}
+  return {0, stored[1], stored[2] or '', have}
 end
 local err = check_acl({{'HSET', state}, {'PEXPIRE', state}})
 if err then return err end
@@ -35,4 +37,4 @@ redis.call('HSET', state,
   'n_quarantined', 0, 'n_taken', 0, 'grads_taken', 0)
 if ARGV[6] ~= '' then redis.call('HSET', state, 'sum', ARGV[6]) end
 touch(state, {state})
-return {1, ARGV[2], ARGV[6]}
+return {1, ARGV[2], ARGV[6], ARGV[1]}

@@ -3,15 +3,19 @@
 -- KEYS[1] state  KEYS[2] grads list  KEYS[3] takers zset  KEYS[4] taker info hash
 -- KEYS[5] claim list of this taker  KEYS[6] head wake list  KEYS[7] queue wake channel (pub/sub)
 -- KEYS[8] quarantine list  KEYS[9] claim registry hash (taker id -> claim lease expiry ms of
--- each claim in flight)
+-- each claim in flight)  KEYS[10] orphans zset (spread payloads)
 -- ARGV[1] schema  ARGV[2] taker id  ARGV[3] num_required  ARGV[4] lease ms
 -- ARGV[5] 'd' dense | 's' sparse  ARGV[6] bytes per element of the accumulator dtype
 -- ARGV[7] claim lease ms  ARGV[8] claim lease: extra ms per MiB of payload
+-- ARGV[9] m, then m pairs ARGV[10..]: a spread entry the client checked (the reply {2, ...}
+--         below) and its payload length, or why it is unusable ('missing', 'part 3 length 5')
 -- Returns {1, claim, quarantined, adopted} where claim = {header, entry...}, header =
 -- "<new step> <count> <payload bytes> <gen> <0|1> <round shape>" (1 when a round shape is
 -- recorded) and adopted = 1 when the claim is one a taker that is gone left behind (its step
 -- was advanced then; the round is handed over as it was); or {0, is_head, quarantined} when
--- it must wait.
+-- it must wait; or {2, entries} when it would claim but the round holds spread entries the
+-- client has not checked (their parts are in other slots): the client checks those parts
+-- (STRLEN) and calls again with the lengths, so that a claim never holds a missing part.
 --
 -- Every claim is registered with a lease until its taker has read and
 -- reduced it (finish.lua) or given it back (leave.lua). A claim whose lease ran out belongs to
@@ -23,16 +27,19 @@
 -- name, a missing, evicted or resized payload) is moved to the quarantine list, with the
 -- reason, and not counted: the take never claims what it cannot read.
 local state, grads, takers, info_key, claim = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
-local base, kerr = own_keys({':g', ':t', ':ti', '', ':w', ':q', ':x', ':cl'})
+local base, kerr = own_keys({':g', ':t', ':ti', '', ':w', ':q', ':x', ':cl', ':o'})
 if not base then return kerr end
 local me = ARGV[2]
 if claim ~= base .. ':c:' .. me or not is_own(base, claim, 'c') or not is_count(ARGV[3])
     or tonumber(ARGV[3]) < 1 or not is_count(ARGV[4])
     or not (ARGV[5] == 'd' or ARGV[5] == 's') or not is_count(ARGV[6])
-    or not is_count(ARGV[7]) or not is_count(ARGV[8]) then
+    or not is_count(ARGV[7]) or not is_count(ARGV[8]) or not is_count(ARGV[9] or '')
+    or #ARGV ~= 9 + 2 * tonumber(ARGV[9]) then
   return acc_error('BADARG take')
 end
-if #KEYS ~= 9 then return acc_error('BADKEY ' .. #KEYS) end
+if #KEYS ~= 10 then return acc_error('BADKEY ' .. #KEYS) end
+local checked = {}  -- spread entry -> its length or why it is unusable, as the client found
+for i = 10, #ARGV, 2 do checked[ARGV[i]] = ARGV[i + 1] end
 local err, st = read_state(state, ARGV[1], {'step', 'count', 'rshape', 'ttl', 'n_taken',
   'grads_taken', 'gen', 'bytes'})
 if err then return err end
@@ -47,7 +54,7 @@ err = check_acl({{'UNLINK', claim}, {'UNLINK', some_blob}, {'HSET', state},
   {'MGET', some_blob}, {'PEXPIRE', some_blob}, {'PERSIST', some_blob}, {'STRLEN', some_blob},
   {'HSET', KEYS[9]}, {'HDEL', KEYS[9]}, {'HGETALL', KEYS[9]}, {'EXISTS', claim},
   {'RENAME', claim}, {'LRANGE', grads}, {'ZCARD', takers}, {'ZRANGE', takers},
-  {'ZSCORE', takers}, {'HGET', info_key}, {'HGET', state}, {'TIME'}})
+  {'ZSCORE', takers}, {'HGET', info_key}, {'HGET', state}, {'TIME'}, {'ZADD', KEYS[10]}})
 if err then return err end
 
 -- A retry of a take that already claimed (the reply was lost): hand out the same round.
@@ -137,11 +144,23 @@ if not queued and count >= n then
     return folded == 0 and len % (8 + dims * isz) == 0
   end
   local entries = redis.call('LRANGE', grads, 0, -1)
-  local total, bad, held = 0, {}, 0
+  local total, bad, held, unchecked = 0, {}, 0, {}
   for i, entry in ipairs(entries) do
     local keys, why = entry_keys(base, entry)
     local len
-    if keys then len, why = entry_length(entry, keys) end
+    if keys and string.sub(entry, 1, 1) == 'd' then
+      local found = checked[entry]
+      if not found then
+        unchecked[#unchecked + 1] = entry
+        why = 'unchecked'
+      elseif is_count(found) then
+        len = tonumber(found)
+      else
+        why = found
+      end
+    elseif keys then
+      len, why = entry_length(entry, keys)
+    end
     if not why and not fits(len, entry) then why = 'length ' .. len end
     if why then
       bad[#bad + 1] = {i, why, entry, keys}
@@ -149,8 +168,10 @@ if not queued and count >= n then
       total, held = total + len, held + entry_weight(entry)
     end
   end
+  if #unchecked > 0 then return {2, unchecked, 0} end  -- nothing claimed: check, call again
   if #bad > 0 then
     for _, b in ipairs(bad) do
+      discard_spread(base, KEYS[10], {b[3]}, now)  -- a sweeper deletes its parts
       redis.call('LSET', grads, b[1] - 1, '\0bad')
       redis.call('RPUSH', KEYS[8], b[2] .. ' ' .. b[3])
       -- payload keys of ours in an unusable entry are freed (a foreign key is never touched)

@@ -192,6 +192,10 @@ def entry_key_names(entry: bytes) -> list[bytes]:
     the library's own check is ``Keys.entry_keys``)."""
     if entry[:1] == b"k":
         return [entry[1:]]
+    if entry[:1] == b"d":  # spread over slots: b"d<parts> <blob>", blob = <base>:b:<cid>:<seq>
+        n, _, blob = entry[1:].partition(b" ")
+        base, _, tail = blob.rpartition(b":b:")
+        return [base[:-1] + b"%%p%d}:b:" % i + tail + b":%d" % i for i in range(int(n))]
     first = 0
     if entry[:1] in (b"s", b"f"):  # a running sum kept in Redis: b"s<weight> <parts> <blob>",
         # a gradient being folded into it: b"f<first part it holds> <parts> <blob>"
@@ -228,3 +232,20 @@ def assert_not_imported_by_numpy_use(module: str) -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120)  # fmt: skip
     assert done.returncode == 0, done.stderr
+
+
+def take_script(acc: Any, taker: str, n: int, lease_ms: int, claim_ms: int | None = None) -> Any:
+    """Run the take script the way a take does, once (a taker that then 'crashes'): a round
+    of spread payloads is first checked (the script's ``{2, entries}`` reply) as the
+    protocol checks it. ``claim_ms``: the claim's lease (the accumulator's otherwise)."""
+    from accumulator import _protocol, _scripts
+
+    checked: dict[bytes, bytes] = {}
+    while True:
+        keys, args = _protocol.take_script_args(acc, taker, n, lease_ms, checked)
+        if claim_ms is not None:
+            args[6] = claim_ms
+        reply = _scripts.call(acc.redis, "take", keys, args)
+        if int(reply[0]) != 2:
+            return reply
+        checked.update(acc._run(_protocol._check_spread(acc, reply[1])))

@@ -13,7 +13,7 @@ from urllib.parse import urlsplit, urlunsplit
 import numpy as np
 import pytest
 import redis
-from _helpers import connect
+from _helpers import connect, take_script
 
 import accumulator
 from accumulator import _acl, _cli
@@ -175,12 +175,10 @@ def test_worker_role_takes_again_and_takes_over_a_dead_takers_round(acl):
     for step in range(3):  # every take after the first reads the claim registry
         assert acc.apply_grad(np.full(SHAPE, float(step)), local_step=step)
         np.testing.assert_array_equal(acc.take_grad(1, timeout=5), np.full(SHAPE, float(step)))
-    from accumulator import _scripts
 
     acc.apply_grad(np.ones(SHAPE), local_step=3)
-    keys, args = acc._take_script_args("7-dead", 1, 10_000)
-    args[6] = 0  # a claim whose lease is over at once: its taker is gone
-    assert _scripts.call(acc.redis, "take", keys, args)[0] == 1
+    # a claim whose lease is over at once: its taker is gone
+    assert take_script(acc, "7-dead", 1, 10_000, claim_ms=0)[0] == 1
     np.testing.assert_array_equal(acc.take_grad(1, timeout=5), np.ones(SHAPE))
     assert acc.global_step() == 4
 

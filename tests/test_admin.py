@@ -16,6 +16,7 @@ from _helpers import entry_key_names
 
 import accumulator
 from accumulator import _admin, _scripts
+from accumulator._admin_ops import schema_of
 from accumulator._core import leave
 from accumulator._keys import SCHEMA_VERSION, Keys
 
@@ -49,7 +50,8 @@ def r(target: Target) -> redis.Redis:
 
 
 def _keys_of(r: redis.Redis, keys: Keys) -> list[bytes]:
-    return sorted(r.scan_iter(match=keys.pattern))
+    """Every key of an accumulator: its slot's, and the parts of its spread payloads."""
+    return sorted([*r.scan_iter(match=keys.pattern), *r.scan_iter(match=keys.spread_pattern)])
 
 
 def _wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
@@ -62,6 +64,16 @@ def _wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
 def _claim_round(r: redis.Redis, name: str, taker: str, num_required: int) -> Any:
     """Claim the pending round the way a take does, then 'crash' before reading it."""
     k = Keys("", name)
+    checked: list[bytes] = []
+    while True:
+        reply = _claim_once(r, k, taker, num_required, checked)
+        if int(reply[0]) != 2:
+            return reply
+        for entry in reply[1]:  # spread payloads: checked as a take checks them
+            checked += [entry, b"%d" % sum(r.strlen(key) for key in entry_key_names(entry))]
+
+
+def _claim_once(r: redis.Redis, k: Keys, taker: str, num_required: int, checked: list) -> Any:
     return _scripts.call(
         r,
         "take",
@@ -75,14 +87,16 @@ def _claim_round(r: redis.Redis, name: str, taker: str, num_required: int) -> An
             k.queue_wake,
             k.quarantine,
             k.claims,
+            k.orphans,
         ],  # no earlier take's retry buffer to delete
-        [SCHEMA_VERSION, taker, num_required, 15_000, "d", 4, 30_000, 0],
+        [schema_of(r, k), taker, num_required, 15_000, "d", 4, 30_000, 0, len(checked) // 2,
+         *checked],
     )
 
 
 def _leave(r: redis.Redis, name: str, taker: str) -> int:
     """The cleanup of an interrupted take (see lua/leave.lua)."""
-    return leave(r, Keys("", name), taker)
+    return leave(r, Keys("", name), taker, schema_of(r, Keys("", name)))
 
 
 # -- list ---------------------------------------------------------------------------------------

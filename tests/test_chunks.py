@@ -32,7 +32,8 @@ def make(target, shared_name="big", shape=(1,), dtype=np.float32, **kw):
 
 def payload_sizes(r, acc) -> dict[bytes, int]:
     keys = Keys(acc.container, acc.shared_name or "")
-    return {k: r.strlen(k) for k in r.scan_iter(match=keys.pattern) if b":b:" in k}
+    found = [*r.scan_iter(match=keys.pattern), *r.scan_iter(match=keys.spread_pattern)]
+    return {k: r.strlen(k) for k in found if b":b:" in k}
 
 
 # -- the plan (pure) ----------------------------------------------------------------------------
@@ -154,7 +155,8 @@ def test_a_gradient_of_several_parts_round_trips_exactly(target, reduction):
     if acc.sums_in_redis:  # one running sum of the three, in 4 parts
         assert len(sizes) == 4 and [e.split(b" ")[:2] for e in entries] == [[b"s3", b"4"]]
     else:
-        assert len(sizes) == 3 * 4 and [e.split(b" ", 1)[0] for e in entries] == [b"p4"] * 3
+        kind = b"d4" if acc.spreads_parts else b"p4"
+        assert len(sizes) == 3 * 4 and [e.split(b" ", 1)[0] for e in entries] == [kind] * 3
     got = acc.take_grad(3)
     want = _reduce.dense_reduce(grads, np.dtype(np.float32), reduction)
     assert got.tobytes() == want.tobytes()

@@ -9,6 +9,7 @@ import time
 import numpy as np
 import pytest
 import redis
+from _helpers import take_script
 
 import accumulator
 from accumulator import _model
@@ -127,12 +128,9 @@ def test_a_resent_apply_is_counted_once(target, shape):
 def test_a_resent_take_returns_the_same_round(target, shape):
     acc = make(target, shape=shape)
     acc.apply_grad(np.ones(shape))
-    keys, args = acc._take_script_args("1-abc", 1, 10_000)
-    from accumulator import _scripts
-
-    first = _scripts.call(acc.redis, "take", keys, args)
+    first = take_script(acc, "1-abc", 1, 10_000)
     acc.apply_grad(np.ones(shape), local_step=1)
-    again = _scripts.call(acc.redis, "take", keys, args)
+    again = take_script(acc, "1-abc", 1, 10_000)
     assert first == again  # not a second round
     assert acc.global_step() == 1 and acc.num_accumulated() == 1
 
@@ -398,7 +396,7 @@ def test_finish_forgets_takes_older_than_two_minutes(target):
     left = {m.decode() for m in r.zrange(acc._keys.finished, 0, -1)}
     assert "1-a01d" not in left and "2-b0b" in left and len(left) == 2
     k = acc._keys  # the forgotten take's retried finish no longer owns a round
-    finish = [k.state, k.claim("1-a01d"), k.claims, k.finished], ["1-a01d"]
+    finish = [k.state, k.claim("1-a01d"), k.claims, k.finished, k.orphans], ["1-a01d"]
     assert _scripts.call(acc.redis, "finish", *finish) == 0
 
 
@@ -413,11 +411,8 @@ def test_a_take_prunes_done_marks_older_clients_left_in_the_registry(target):
 
 def _crashed_take(acc, lease_ms: int) -> list:
     """Claim the round the way a take does, with a short claim lease, then 'crash'."""
-    from accumulator import _scripts
 
-    keys, args = acc._take_script_args("9-dead", 1, 10_000)
-    args[6] = lease_ms
-    reply = _scripts.call(acc.redis, "take", keys, args)
+    reply = take_script(acc, "9-dead", 1, 10_000, claim_ms=lease_ms)
     assert reply[0] == 1
     return reply
 
@@ -528,7 +523,7 @@ def test_a_retried_finish_still_owns_its_round(target):
     acc.apply_grad(np.ones(SMALL))
     _crashed_take(acc, lease_ms=60_000)
     k = acc._keys
-    finish = [k.state, k.claim("9-dead"), k.claims, k.finished], ["9-dead"]
+    finish = [k.state, k.claim("9-dead"), k.claims, k.finished, k.orphans], ["9-dead"]
     assert _scripts.call(acc.redis, "finish", *finish) == 1
     acc.apply_grad(np.ones(SMALL), local_step=1)
     other.take_grad(1, timeout=5)  # runs the registry loop

@@ -15,7 +15,7 @@ from _helpers import entry_key_names
 
 import accumulator
 from accumulator import _reduce, _scripts
-from accumulator._keys import SCHEMA_VERSION, Keys
+from accumulator._keys import Keys
 
 SMALL = (3, 2)
 LARGE = (64, 1024)  # 256 KiB of float32: its own payload key
@@ -163,8 +163,9 @@ def test_a_payload_that_did_not_land_is_not_accepted(target):
     """The apply script itself checks the payload key (a SET refused at maxmemory)."""
     acc = make(target, shape=LARGE)
     k = acc._keys
-    keys = [k.state, k.grads, k.dedup("ab"), k.takers, k.taker_info, k.wake, k.blob("ab", 1)]
-    args = [SCHEMA_VERSION, 1, 0, "64,1024", "k", b"", 262144, 60000, ""]
+    keys = [k.state, k.grads, k.dedup("ab"), k.takers, k.taker_info, k.wake, k.blob("ab", 1),
+            k.orphans]
+    args = [acc._schema, 1, 0, "64,1024", "k", b"", 262144, 60000, ""]
     before = snapshot(target.redis(), k.pattern)
     with pytest.raises(accumulator.ResourceExhaustedError, match="not stored"):
         _scripts.call(acc.redis, "apply", keys, args)
@@ -236,8 +237,9 @@ def test_apply_script_refuses_garbage_before_any_write(target, field, value):
     acc.apply_grad(np.ones(SMALL))
     k = acc._keys
     payload = np.ones(SMALL, np.float32).tobytes()
-    keys = [k.state, k.grads, k.dedup("ab"), k.takers, k.taker_info, k.wake, k.blob("ab", 1)]
-    args: list[object] = [SCHEMA_VERSION, 1, 0, "3,2", "i", b"i" + payload, len(payload),
+    keys = [k.state, k.grads, k.dedup("ab"), k.takers, k.taker_info, k.wake, k.blob("ab", 1),
+            k.orphans]
+    args: list[object] = [acc._schema, 1, 0, "3,2", "i", b"i" + payload, len(payload),
                           60000, ""]  # fmt: skip
     args[field] = value  # args[0] is ARGV[1]
     r = target.redis()
@@ -251,9 +253,10 @@ def test_scripts_refuse_keys_of_another_accumulator(target):
     acc, other = make(target), make(target, "other")
     o = other._keys
     k = acc._keys
-    keys = [k.state, o.grads, k.dedup("ab"), k.takers, k.taker_info, k.wake, k.blob("ab", 1)]
+    keys = [k.state, o.grads, k.dedup("ab"), k.takers, k.taker_info, k.wake, k.blob("ab", 1),
+            k.orphans]
     payload = np.ones(SMALL, np.float32).tobytes()
-    args = [SCHEMA_VERSION, 1, 0, "3,2", "i", b"i" + payload, len(payload), 60000, ""]
+    args = [acc._schema, 1, 0, "3,2", "i", b"i" + payload, len(payload), 60000, ""]
     before = snapshot(target.redis())
     # a cluster refuses keys of other slots before the script runs (redis-py's cluster
     # client, or the server's CROSSSLOT)
@@ -263,7 +266,8 @@ def test_scripts_refuse_keys_of_another_accumulator(target):
     with pytest.raises(refused, match="BADKEY|same key slot|CROSSSLOT"):
         _scripts.call(acc.redis, "apply", keys, args)
     with pytest.raises(refused, match="BADKEY|same key slot|CROSSSLOT"):
-        _scripts.call(acc.redis, "reset", [k.state, k.grads, "prod:secret"], [SCHEMA_VERSION])
+        _scripts.call(acc.redis, "reset", [k.state, k.grads, "prod:secret", k.orphans],
+                      [acc._schema])  # fmt: skip
     assert snapshot(target.redis()) == before
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from _helpers import take_script
 
 import accumulator
 
@@ -46,11 +47,8 @@ def test_a_shared_name_that_is_not_text_is_a_clear_type_error(target):
 
 def _abandoned_take(acc, taker: str, n: int, *, taker_lease_ms: int, claim_lease_ms: int):
     """What a chief killed mid-take leaves: its place in the FIFO, or its claimed round."""
-    from accumulator import _scripts
 
-    keys, args = acc._take_script_args(taker, n, taker_lease_ms)
-    args[6] = claim_lease_ms
-    return _scripts.call(acc.redis, "take", keys, args)
+    return take_script(acc, taker, n, taker_lease_ms, claim_ms=claim_lease_ms)
 
 
 def test_evict_a_dead_waiting_taker_unblocks_the_queue(target):

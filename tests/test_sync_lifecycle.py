@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _helpers import take_script
 
 import accumulator
 from accumulator import _scripts
@@ -352,8 +353,7 @@ def _abandoned_claim(acc, n: int) -> None:
     the claim, under a short lease, never read or finished."""
     acc.claim_lease = 0.3
     try:
-        keys, args = acc._take_script_args(f"999999-{uuid.uuid4().hex[:12]}", n, 6000)
-        reply = _scripts.call(acc.redis, "take", keys, args)
+        reply = take_script(acc, f"999999-{uuid.uuid4().hex[:12]}", n, 6000)
     finally:
         acc.claim_lease = None
     assert int(reply[0]) == 1, reply

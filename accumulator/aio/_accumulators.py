@@ -45,11 +45,12 @@ class ConditionalAccumulator(AccumulatorBase, DenseOps):
         min_replicas: int = 0,
         wait_aof: bool = False,
         sum_in_redis: bool | None = None,
+        spread_parts: bool | None = None,
     ) -> None:
         super().__init__(dtype, shape, shared_name, name, reduction_type, client=client,
                          container=container, max_pending_bytes=max_pending_bytes,
                          sum_in_redis=sum_in_redis, min_replicas=min_replicas,
-                         wait_aof=wait_aof)  # fmt: skip
+                         wait_aof=wait_aof, spread_parts=spread_parts)  # fmt: skip
 
     async def apply_grad(self, grad: Any, local_step: Any = 0, name: str | None = None) -> bool:
         """Add ``grad`` to the current round; ``False`` if dropped as stale (see
@@ -88,10 +89,12 @@ class SparseConditionalAccumulator(AccumulatorBase, SparseOps):
         max_pending_bytes: int | None = None,
         min_replicas: int = 0,
         wait_aof: bool = False,
+        spread_parts: bool | None = None,
     ) -> None:
         super().__init__(dtype, shape, shared_name, name, reduction_type, client=client,
                          container=container, max_pending_bytes=max_pending_bytes,
-                         min_replicas=min_replicas, wait_aof=wait_aof)  # fmt: skip
+                         min_replicas=min_replicas, wait_aof=wait_aof,
+                         spread_parts=spread_parts)  # fmt: skip
 
     async def apply_grad(
         self,

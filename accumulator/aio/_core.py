@@ -16,7 +16,7 @@ from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.exceptions import NoScriptError
 
 from .. import _retry, _scripts
-from .._connection import moved_error, raise_first_error
+from .._connection import by_node, moved_error, raise_first_error
 from .._errors import CancelledError
 from .._model import AccumulatorModel, server_of
 from .._requests import (
@@ -91,9 +91,11 @@ class AccumulatorBase(AccumulatorModel):
         min_replicas: int = 0,
         wait_aof: bool = False,
         sum_in_redis: bool | None = None,
+        spread_parts: bool | None = None,
     ) -> None:
         self._setup(dtype, shape, shared_name, name, reduction_type, container,
-                    max_pending_bytes, sum_in_redis, min_replicas, wait_aof)  # fmt: skip
+                    max_pending_bytes, sum_in_redis, min_replicas, wait_aof,
+                    spread_parts)  # fmt: skip
         if not (client is None or isinstance(client, (str, aioredis.Redis, AsyncRedisCluster))):
             from ._connection import _check_client
 
@@ -124,7 +126,8 @@ class AccumulatorBase(AccumulatorModel):
             if self._conns is None:
                 conns = connect(self._client)
                 try:
-                    await self._drive(conns, self._open_ops(server_of(conns.commands)))
+                    await self._drive(conns, self._open_ops(server_of(conns.commands),
+                                                            is_cluster(conns.commands)))
                 except BaseException:
                     await conns.close()
                     raise
@@ -287,6 +290,8 @@ class AccumulatorBase(AccumulatorModel):
             if is_cluster(commands) and all(c[0] == "SCRIPT" for c in request.commands):
                 return [await _each(commands, c, request.raise_on_error)
                         for c in request.commands]  # fmt: skip
+            if request.tail is not None:
+                return await _per_node(commands, request)
             if is_cluster(commands) and request.node_key is not None:
                 return await _on_node(commands, request)
             pipe = commands.pipeline(transaction=False)
@@ -368,12 +373,42 @@ class AccumulatorBase(AccumulatorModel):
             return False
 
 
-async def _on_node(client: Any, request: Batch) -> list[Any]:
-    """The asyncio twin of ``_core._on_node``: a batch on one connection to the node serving
-    its ``node_key``; a redirect or a lost node refreshes the slot map and raises a transient
-    error (the batch is sent again, whole)."""
+async def _per_node(client: Any, request: Batch) -> list[Any]:
+    """The asyncio twin of ``_core._per_node``: one pipeline per node (concurrently), each
+    ending with the batch's ``tail``; the replies in order, then the tails' replies."""
+    assert request.tail is not None
+    if not is_cluster(client):
+        pipe = client.pipeline(transaction=False)
+        for command in (*request.commands, request.tail):
+            pipe.execute_command(*command)
+        replies = list(await pipe.execute(raise_on_error=False))
+        tail = replies.pop()
+        return [*(raise_first_error(replies) if request.raise_on_error else replies), [tail]]
     await client.initialize()
-    node = client.get_node_from_key(request.node_key)
+    groups = list(by_node(client, [c[1] for c in request.commands]).values())
+    subs = [
+        Batch(request.what, [*(request.commands[i] for i in indices), request.tail],
+              raise_on_error=request.raise_on_error)
+        for _, indices in groups
+    ]  # fmt: skip
+    sends = (_on_node(client, sub, node) for sub, (node, _) in zip(subs, groups, strict=True))
+    done = await asyncio.gather(*sends)
+    out: list[Any] = [None] * len(request.commands)
+    tails = []
+    for replies, (_, indices) in zip(done, groups, strict=True):
+        tails.append(replies.pop())
+        for i, reply in zip(indices, replies, strict=True):
+            out[i] = reply
+    return [*out, tails]
+
+
+async def _on_node(client: Any, request: Batch, node: Any = None) -> list[Any]:
+    """The asyncio twin of ``_core._on_node``: a batch on one connection to the node serving
+    its ``node_key`` (or ``node``); a redirect or a lost node refreshes the slot map and
+    raises a transient error (the batch is sent again, whole)."""
+    await client.initialize()
+    if node is None:
+        node = client.get_node_from_key(request.node_key)
     pipe = node_client(client, node).pipeline(transaction=False)
     for command in request.commands:
         pipe.execute_command(*command)
