@@ -23,7 +23,7 @@ _WORKER = (
     "+get +set +mget +del +unlink +exists +strlen +pexpire +persist +rename "
     "+hget +hmget +hgetall +hset +hsetnx +hdel +hincrby "
     "+rpush +lpush +lpop +lrange +lindex +lset +lrem +ltrim +blpop "
-    "+zadd +zrem +zremrangebyscore +zrange +zscore +zcard "
+    "+zadd +zrem +zremrangebyscore +zrange +zrangebyscore +zscore +zcard "
     "+publish +subscribe +unsubscribe +scan"
 )
 _VIEWER = (

@@ -21,7 +21,7 @@ from typing import Any
 
 import redis
 
-from ._connection import is_cluster, is_redirect
+from ._connection import by_node, is_cluster, is_redirect
 
 _RECV = 65536
 
@@ -97,6 +97,14 @@ def get_into(
     read this way (the caller uses redis-py)."""
     if is_cluster(client):
         return _cluster_get_into(client, keys, outs)
+    sent = _send_gets(client, keys)
+    return None if sent is None else _receive(*sent, outs)
+
+
+def _send_gets(client: Any, keys: Sequence[str | bytes]) -> tuple[Any, Any] | None:
+    """Send one pipeline of GETs on a pooled connection of ``client``: (pool, connection) to
+    read the replies from (:func:`_receive`), or None when this client cannot be read in
+    place."""
     pool = getattr(client, "connection_pool", None)
     if pool is None or not keys:
         return None
@@ -104,12 +112,23 @@ def get_into(
         conn = pool.get_connection()
     except TypeError:  # redis-py before 5.3 wants the command name
         conn = pool.get_connection("GET")
+    if not isinstance(conn, redis.connection.AbstractConnection):
+        pool.release(conn)
+        return None
+    try:
+        conn.send_packed_command(conn.pack_commands([("GET", key) for key in keys]))
+    except BaseException:
+        conn.disconnect()
+        pool.release(conn)
+        raise
+    return pool, conn
+
+
+def _receive(pool: Any, conn: Any, outs: Sequence[memoryview]) -> list[bool] | None:
+    """The replies of :func:`_send_gets` into ``outs``; the connection goes back to its pool
+    (disconnected unless every reply was consumed cleanly)."""
     clean = False
     try:
-        if not isinstance(conn, redis.connection.AbstractConnection):
-            clean = True
-            return None
-        conn.send_packed_command(conn.pack_commands([("GET", key) for key in keys]))
         sock = getattr(conn, "_sock", None)
         if not isinstance(sock, socket.socket):
             return None  # sent but not readable here: drop the connection
@@ -131,28 +150,45 @@ def _cluster_get_into(
     client: Any, keys: Sequence[str | bytes], outs: Sequence[memoryview]
 ) -> list[bool] | None:
     """:func:`get_into` on a cluster: one pipeline per primary holding some of the keys, on
-    that node's own client. None (the caller reads through redis-py's cluster client, which
-    follows redirects and failovers) when a slot is moving or a node is unreachable."""
-    by_node: dict[str, tuple[Any, list[int]]] = {}  # node name -> (node, indices of its keys)
+    that node's own client, all sent before any is read (the nodes work at once). None (the
+    caller reads through redis-py's cluster client, which follows redirects and failovers)
+    when a slot is moving or a node is unreachable."""
     try:
-        for i, key in enumerate(keys):
-            node = client.nodes_manager.get_node_from_slot(client.keyslot(key))
-            by_node.setdefault(node.name, (node, []))[1].append(i)
+        groups = list(by_node(client, keys).values())
     except (redis.RedisError, KeyError, IndexError):
         return None
+    sent: list[tuple[list[int], tuple[Any, Any] | None]] = []
     found: list[bool] = [False] * len(keys)
-    for node, indices in by_node.values():
-        node_client = client.get_redis_connection(node)
+    failed: BaseException | None = None
+    unsupported = False
+    try:
+        for node, indices in groups:
+            node_client = client.get_redis_connection(node)
+            sent.append((indices, _send_gets(node_client, [keys[i] for i in indices])))
+    except redis.ConnectionError:
+        unsupported = True  # a node is gone: redis-py's client finds where the keys went
+    for indices, pending in sent:
+        if pending is None:
+            unsupported = True
+            continue
+        if failed or unsupported:  # not to be read: never reuse it half-read
+            pending[1].disconnect()
+            pending[0].release(pending[1])
+            continue
         try:
-            got = get_into(node_client, [keys[i] for i in indices], [outs[i] for i in indices])
+            got = _receive(*pending, [outs[i] for i in indices])  # gives the connection back
         except redis.ResponseError as exc:
-            if is_redirect(exc):
-                return None
-            raise
+            failed = None if is_redirect(exc) else exc
+            unsupported = True
+            continue
         except redis.ConnectionError:
-            return None
+            unsupported = True
+            continue
         if got is None:
-            return None
+            unsupported = True
+            continue
         for i, ok in zip(indices, got, strict=True):
             found[i] = ok
-    return found
+    if failed is not None:
+        raise failed
+    return None if unsupported else found

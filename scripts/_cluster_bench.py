@@ -1,8 +1,10 @@
 """One server against a Redis Cluster (``scripts/bench.py --cluster``), same run: aggregate
 applies/s of client processes spread over 64 accumulators, and the W=4 step of one
 accumulator of 64 MiB gradients, on 1 primary and on 3 primaries (a ``LocalCluster`` without
-replicas). Each accumulator lives in one slot, so many accumulators spread over the
-primaries; one accumulator's bytes do not (yet): its step is expected no faster there.
+replicas), and on 3 primaries with the accumulator's parts kept in its one slot
+(``spread_parts=False``, what an accumulator was before parts were spread). Each
+accumulator's bookkeeping lives in one slot, so many accumulators spread over the primaries;
+one accumulator's parts are spread by part index.
 
 On a machine with fewer cores than servers plus clients, the primaries share the cores:
 the ratio then shows the cost of the cluster client, not the gain of more CPUs."""
@@ -58,8 +60,9 @@ def applies_per_second(spec: str, processes: int, seconds: float) -> float:
     return total / seconds
 
 
-def step_ms(spec: str, nbytes: int, workers: int, runs: int) -> float:
-    """Median W-worker synchronous step (every worker applies once, the chief takes W)."""
+def step_ms(spec: str, nbytes: int, workers: int, runs: int, spread: bool | None = None) -> float:
+    """Median W-worker synchronous step (every worker applies once, the chief takes W);
+    ``spread``: the accumulator's ``spread_parts`` (the workers follow the chief's choice)."""
     import statistics
 
     from _step_bench import _worker
@@ -69,7 +72,8 @@ def step_ms(spec: str, nbytes: int, workers: int, runs: int) -> float:
     ctx = mp.get_context("spawn")
     name = f"cluster-step-{nbytes}-{time.monotonic_ns()}"
     chief = accumulator.ConditionalAccumulator(np.float32, (nbytes // 4,), shared_name=name,
-                                               client=spec, max_pending_bytes=1 << 40)  # fmt: skip
+                                               client=spec, max_pending_bytes=1 << 40,
+                                               spread_parts=spread)  # fmt: skip
     pipes, procs = [], []
     for i in range(workers):
         mine, theirs = ctx.Pipe()
@@ -110,13 +114,16 @@ def main(argv: list[str] | None = None) -> int:
         specs = {"1 primary": single.url,
                  "3 primaries": cluster.cluster_url}  # fmt: skip
         rates: dict[str, list[float]] = {k: [] for k in specs}
-        steps: dict[str, list[float]] = {k: [] for k in specs}
+        step_specs = {**{k: (v, None) for k, v in specs.items()},
+                      "3 primaries, one slot": (cluster.cluster_url, False)}  # fmt: skip
+        steps: dict[str, list[float]] = {k: [] for k in step_specs}
         for _ in range(2):  # alternate, twice: noise hits both alike
             for name, spec in specs.items():
                 rates[name].append(applies_per_second(spec, args.processes, args.seconds))
-                steps[name].append(step_ms(spec, args.step_mib << 20, 4, args.step_runs))
+            for name, (spec, spread) in step_specs.items():
+                steps[name].append(step_ms(spec, args.step_mib << 20, 4, args.step_runs, spread))
     one, three = (max(rates[k]) for k in specs)
-    step_one, step_three = (min(steps[k]) for k in specs)
+    step_one, step_three, step_slot = (min(steps[k]) for k in step_specs)
     print(f"cluster: aggregate applies/s over {N_ACCUMULATORS} accumulators, 4 KiB gradients, "
           f"{args.processes} client processes, {args.seconds:g} s (best of 2)")  # fmt: skip
     print(f"  1 primary:   {one:9.0f} applies/s")
@@ -124,8 +131,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"cluster: W=4 step of one accumulator, {args.step_mib} MiB gradients, median of "
           f"{args.step_runs} (best of 2)")  # fmt: skip
     print(f"  1 primary:   {step_one:9.1f} ms")
+    print(f"  3 primaries, parts in one slot (spread_parts=False): {step_slot:9.1f} ms   "
+          f"3 vs 1: {step_one / step_slot:.2f}x")  # fmt: skip
     speedup = step_one / step_three
-    print(f"  3 primaries: {step_three:9.1f} ms   3 vs 1: {speedup:.2f}x (> 1: better)")
+    print(f"  3 primaries, parts spread (default): {step_three:9.1f} ms   3 vs 1: {speedup:.2f}x "
+          "(> 1: better)")  # fmt: skip
     return 0
 
 

@@ -461,19 +461,25 @@ class Drill:
             self.failovers.append(round(time.monotonic() - started, 2))
             detail = f"primary now on port {port} after {self.failovers[-1]}s"
         elif kind == "migrate":
-            # the accumulator's slot to another primary, live (clients see ASK, then MOVED)
+            # the accumulator's slot to another primary, live (clients see ASK, then MOVED);
+            # with spread parts, every other time the slot of one of its parts' indices
+            slots = self._slots()
+            slot = slots[self.faults[kind] % len(slots)]
             started = time.monotonic()
-            port = self.server.migrate_slot(self._slot())
+            port = self.server.migrate_slot(slot)
             took = time.monotonic() - started
-            detail = f"slot {self._slot()} now on port {port} after {took:.2f}s"
+            what = "state" if slot == slots[0] else "parts"
+            detail = f"slot {slot} ({what}) now on port {port} after {took:.2f}s"
         elif kind == "cluster_failover":
             started = time.monotonic()
             # every other one with a lagging replica (what asynchronous replication loses)
             lag = 0.5 if self.faults[kind] % 2 else 0.0
-            port = self.server.failover(self._slot(), down=self.rng.uniform(*c.redis_down),
-                                        lag=lag)  # fmt: skip
+            # with spread parts: the primary of the state's slot, or of a part's, in turn
+            slots = self._slots()
+            slot = slots[self.faults[kind] % len(slots)]
+            port = self.server.failover(slot, down=self.rng.uniform(*c.redis_down), lag=lag)
             self.failovers.append(round(time.monotonic() - started, 2))
-            detail = f"slot {self._slot()} now on port {port} after {self.failovers[-1]}s"
+            detail = f"slot {slot} now on port {port} after {self.failovers[-1]}s"
         elif kind == "client_kill":
             detail = f"{self._admin('CLIENT', 'KILL', 'TYPE', 'normal')} connections"
         elif kind == "pause_all":
@@ -492,6 +498,17 @@ class Drill:
             self._bag = list(self.config.faults)
             self.rng.shuffle(self._bag)
         return self._bag.pop()
+
+    def _slots(self) -> list[int]:
+        """The state's slot, then the slots of spread parts 0 and 1, in turn (a gradient of
+        two parts, spread: its parts' slots depend on the accumulator and the index only)."""
+        from redis.cluster import key_slot
+
+        keys = Keys("", self.config.name)
+        parts = [key_slot(keys.spread_part(keys.blob("0", 0), i)) for i in (0, 1)]
+        if self.config.width * np.dtype(DTYPE).itemsize <= INLINE_MAX_BYTES:
+            return [self._slot()]
+        return [self._slot(), parts[0], self._slot(), parts[1]]
 
     def _slot(self) -> int:
         """The cluster slot of the drill's accumulator (its hash tag)."""

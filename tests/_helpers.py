@@ -249,3 +249,12 @@ def take_script(acc: Any, taker: str, n: int, lease_ms: int, claim_ms: int | Non
         if int(reply[0]) != 2:
             return reply
         checked.update(acc._run(_protocol._check_spread(acc, reply[1])))
+
+
+def aclient(target: Any) -> Any:
+    """An asyncio handle on the target's data: fakeredis's twin, or the server's URL."""
+    if target.kind == "fake":
+        import fakeredis
+
+        return fakeredis.FakeAsyncRedis(server=target._fake_server)
+    return str(target.url)

@@ -14,22 +14,13 @@ import numpy as np
 import pytest
 import redis
 import redis.asyncio as aioredis
-from _helpers import aconnect
+from _helpers import aclient, aconnect
 
 import accumulator
 from accumulator import aio
 from accumulator._requests import Batch, Call
 
 LARGE = (300_000,)  # 1.2 MB of float32: parts, and folds on the module path
-
-
-def aclient(target: Any) -> aioredis.Redis | str:
-    """An asyncio handle on the target's data: fakeredis's twin, or the server's URL."""
-    if target.kind == "fake":
-        import fakeredis
-
-        return fakeredis.FakeAsyncRedis(server=target._fake_server)
-    return str(target.url)
 
 
 def run(coro_fn: Callable[[], Awaitable[Any]]) -> Any:

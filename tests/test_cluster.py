@@ -125,11 +125,11 @@ def test_the_sync_helper(client):
     ps.close()
 
 
-def _replica_of_slot(cluster: LocalCluster, key: str):
+def _replica_of_slot(cluster: LocalCluster, key: str | bytes):
     """The replica of the primary serving ``key``'s slot (read it after READONLY)."""
     from redis.cluster import key_slot
 
-    primary = cluster.owner(key_slot(key.encode()))
+    primary = cluster.owner(key_slot(key.encode() if isinstance(key, str) else key))
     for server in cluster.servers:
         info = server.client().info("replication")
         if info.get("role") == "slave" and int(info.get("master_port", 0)) == primary.port:
@@ -163,6 +163,30 @@ def test_min_replicas_on_a_cluster(cluster, client, shape):
     finally:
         os.kill(replica.pid, signal.SIGCONT)
     assert acc.num_accumulated() == 1
+    acc.close()
+
+
+def test_a_spread_gradient_uses_every_primary_and_min_replicas_covers_its_parts(cluster):
+    """The parts of one large gradient are spread over the primaries (auto on a cluster
+    client); with min_replicas=1 each part's replica has it when the apply returns."""
+    r = cluster.client()
+    r.flushall()
+    shape = (16 * 1044480 // 4,)  # 16 parts
+    acc = accumulator.ConditionalAccumulator(np.float32, shape, shared_name="wide", client=r,
+                                             min_replicas=1)  # fmt: skip
+    assert acc.spreads_parts
+    assert acc.apply_grad(np.ones(shape))
+    (entry,) = r.lrange(acc._keys.grads, 0, -1)
+    parts = acc._keys.entry_keys(entry)
+    assert parts is not None and len(parts) == 16
+    owners = {cluster.owner(r.keyslot(k)).port for k in parts}
+    assert len(owners) == 3  # every primary holds some
+    for key in parts:
+        mirror = _replica_of_slot(cluster, key).client()
+        mirror.execute_command("READONLY")
+        assert mirror.strlen(key) == r.strlen(key) > 0  # there already
+    np.testing.assert_array_equal(acc.take_grad(1), np.ones(shape))
+    assert not any(r.exists(k) for k in parts)
     acc.close()
 
 

@@ -98,9 +98,9 @@ def test_a_sentinel_url_reaches_the_primary_from_the_library_the_cli_and_the_dem
 @pytest.mark.parametrize(
     ("fault", "width", "min_replicas"),
     [("migrate", 6000, 0), ("migrate", 1_500_000, 1), ("cluster_failover", 6000, 0),
-     ("cluster_failover", 6000, 1)],
+     ("cluster_failover", 6000, 1), ("cluster_failover", 1_500_000, 1)],
     ids=["migrate", "migrate-parts-min_replicas=1", "cluster_failover-default",
-         "cluster_failover-min_replicas=1"],
+         "cluster_failover-min_replicas=1", "cluster_failover-parts-min_replicas=1"],
 )  # fmt: skip
 def test_cluster_drill(tmp_path, fault, width, min_replicas):
     """A Redis Cluster of 3 primaries and 3 replicas (``accumulator.testing.LocalCluster``):
@@ -110,8 +110,9 @@ def test_cluster_drill(tmp_path, fault, width, min_replicas):
     serving it so that its replica takes over (``cluster_failover``: asynchronous
     replication: with the default, lost and doubled are reported, not asserted; with
     ``min_replicas=1``, the primary's one replica has every acknowledged write, so nothing
-    may be lost or doubled, asserted). ``migrate-parts``: gradients of 1.5 MB, sent as parts
-    (a chunk each) that move with the slot."""
+    may be lost or doubled, asserted). ``-parts``: gradients of 1.5 MB, in two parts spread
+    over slots of their own (the cluster default): the drill moves, or fails over, the
+    state's slot and the parts' slots in turn."""
     if find_server_binary() is None:
         pytest.skip("no redis-server binary (scripts/test.sh installs one)")
     from accumulator.testing import LocalCluster
