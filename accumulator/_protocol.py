@@ -459,26 +459,27 @@ def _finish(acc: AccumulatorModel, taker: str, claim_key: str, blob_keys: list[b
                                *(key for key in blob_keys if k.is_blob(key))]  # fmt: skip
     durability = acc._durability()
     what = "take_grad (finishing)"
+    acked = None
     if durability is None:
         ours = yield Call(what, "finish", keys, [taker], commit=True)
     else:
         finish = tuple(_scripts.evalsha_args("finish", keys, [taker]))
         replies = yield from _committed(what, [finish], durability, k.state)
-        ours = replies[0]
-        missing = durability.shortfall(replies.acked)
-        if missing and int(ours):
-            # the round is this take's now: returning it is right; a failover before the
-            # replicas have the finish could hand it to another take as well
-            logger.warning(
-                "take_grad on %r: the round is taken, but %s of its finish did not come "
-                "within %gs (a failover now could let another take take it again)",
-                acc._shared_name, missing, durability.timeout,
-            )  # fmt: skip
+        ours, acked = replies[0], replies.acked
     garbage: list[bytes] = []
     if isinstance(ours, list):  # (1, the spread payloads' garbage, leased to this taker)
         ours, garbage = ours
     if not int(ours):
         raise AccumulatorError(_taken_over_message(acc))
+    missing = durability.shortfall(acked) if durability is not None else None
+    if missing and durability is not None:
+        # the round is this take's now: returning it is right; a failover before the
+        # replicas have the finish could hand it to another take as well
+        logger.warning(
+            "take_grad on %r: the round is taken, but %s of its finish did not come "
+            "within %gs (a failover now could let another take take it again)",
+            acc._shared_name, missing, durability.timeout,
+        )  # fmt: skip
     if garbage:
         yield from discard(acc, list(garbage))
 

@@ -263,14 +263,19 @@ class DenseMachine(_Machine):
     def apply_any(self, data: st.DataObject) -> None:
         self._apply(data, fresh=False)
 
+    configs = DENSE_CONFIGS
+
+    def _draw_grad(self, data: st.DataObject, shape: tuple[int, ...]) -> np.ndarray:
+        return data.draw(hnp.arrays(self.dtype, shape, elements=elements(self.dtype)), label="g")
+
     def _apply(self, data: st.DataObject, fresh: bool) -> None:
-        shapes = DENSE_CONFIGS[self.declared]
+        shapes = self.configs[self.declared]
         if fresh and self.round_shape is not None:
             shapes = [self.round_shape]
         elif fresh:
             shapes = [s for s in shapes if _fits(self.declared, s)]
         shape = data.draw(st.sampled_from(shapes), label="shape")
-        grad = data.draw(hnp.arrays(self.dtype, shape, elements=elements(self.dtype)), label="g")
+        grad = self._draw_grad(data, shape)
         sent: Any = grad.tolist() if data.draw(st.booleans(), label="as list") else grad
         step, value = self._apply_step(data, fresh)
         before = redis_snapshot(self.r)
@@ -315,6 +320,38 @@ class DenseMachine(_Machine):
         assert result.dtype == self.dtype
         assert result.shape == self.round_shape
         np.testing.assert_array_equal(result, expected, strict=True)
+
+
+#: Large payloads (over the inline limit): parts, spread over slots.
+SPREAD_CONFIGS = {
+    (4100, 2): [(4100, 2), (4100, 2), (2, 4100)],
+    None: [(8200,), (8201,), (8200,)],
+}
+
+
+class DenseSpreadMachine(DenseMachine):
+    """The same model, with gradients large enough to travel as parts, spread over slots."""
+
+    configs = SPREAD_CONFIGS
+
+    def _open(self, dtype: np.dtype, shape: Any, reduction: str, name: str) -> Any:
+        return accumulator.ConditionalAccumulator(
+            dtype, shape, name, reduction_type=reduction, client=self.target.client(),
+            spread_parts=True,
+        )  # fmt: skip
+
+    def _draw_grad(self, data: st.DataObject, shape: tuple[int, ...]) -> np.ndarray:
+        # a drawn pattern, repeated: every element still comes from it, in a few draws
+        pattern = data.draw(hnp.arrays(self.dtype, (16,), elements=elements(self.dtype)), "g")
+        return np.resize(pattern, shape)
+
+    @initialize(
+        dtype=st.sampled_from(DTYPES),
+        shape=st.sampled_from(list(SPREAD_CONFIGS)),
+        reduction=st.sampled_from(["MEAN", "SUM"]),
+    )
+    def start(self, dtype: np.dtype, shape: Any, reduction: str) -> None:
+        self._start(dtype, shape, reduction)
 
 
 def _re(text: str) -> str:
@@ -478,13 +515,20 @@ class SparseMachine(_Machine):
 # -- the tests --------------------------------------------------------------------------------
 
 
-def _run(machine: type[_Machine], target: Any) -> None:
+def _run(machine: type[_Machine], target: Any, examples: int | None = None) -> None:
     bound = type(machine.__name__, (machine,), {"target": target})
-    run_state_machine_as_test(bound, settings=SETTINGS)
+    chosen = SETTINGS if examples is None else settings(SETTINGS, max_examples=examples)
+    run_state_machine_as_test(bound, settings=chosen)
 
 
 def test_dense_accumulator_follows_the_model(target):
     _run(DenseMachine, target)
+
+
+def test_dense_spread_accumulator_follows_the_model(target):
+    """Large gradients spread over slots: every step of the model, every refusal leaving
+    Redis unchanged (the parts and the orphans zset included)."""
+    _run(DenseSpreadMachine, target, examples=20)
 
 
 def test_sparse_accumulator_follows_the_model(target):
