@@ -276,7 +276,7 @@ class AccumulatorBase(AccumulatorModel):
         except Exception as exc:
             if self._closed:  # its connection was cut under it (whatever redis-py raises then)
                 raise CancelledError("the accumulator was closed while waiting") from None
-            if not isinstance(exc, (redis.ConnectionError, redis.TimeoutError, OSError)):
+            if not (_retry.is_transient(exc) or isinstance(exc, OSError)):
                 raise
             logger.debug("wait on %s interrupted: %s", self._keys.base, exc)
             time.sleep(0.05)  # a refused reconnect fails at once: do not spin

@@ -193,12 +193,17 @@ def _send_spread(
     per node, the garbage)."""
     k = acc._keys
     entry = k.spread_entry(blob, payload.nbytes)
-    garbage = yield Call(
-        "apply_grad", "orphans", [k.state, k.orphans],
-        [acc._schema, entry, _model.ORPHAN_TTL_MS, _model.SWEEP_COUNT, _model.SWEEP_LEASE_MS],
-        commit=True,
-    )  # fmt: skip
+    keys = [k.state, k.orphans]
+    args = [acc._schema, entry, _model.ORPHAN_TTL_MS, _model.SWEEP_COUNT, _model.SWEEP_LEASE_MS]
     durability = acc._durability()
+    registered: list[Any] = []
+    if durability is None:
+        garbage = yield Call("apply_grad", "orphans", keys, args, commit=True)
+    else:
+        # a registration a failover lost would make the apply script refuse the gradient
+        register = tuple(_scripts.evalsha_args("orphans", keys, args))
+        done = yield from _committed("apply_grad", [register], durability, k.state)
+        garbage, registered = done[0], [done.acked]
     # NX: a retried batch leaves a part already written alone (the same bytes)
     commands = [
         ("SET", k.spread_part(blob, i), payload[start:stop], "NX")
@@ -210,6 +215,7 @@ def _send_spread(
     acked = replies.pop() if tail is not None else []
     if durability is not None:  # a wait that failed confirmed nothing
         acked = [durability.unconfirmed() if isinstance(a, Exception) else a for a in acked]
+        acked += registered
     failed = next((r for r in replies if isinstance(r, Exception)), None)
     if failed is not None:
         # refused (maxmemory, ACL): what was written goes, and the registration with it

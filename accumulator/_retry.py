@@ -22,7 +22,13 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 import redis
-from redis.exceptions import AuthenticationError, AuthorizationError
+from redis.exceptions import (
+    AuthenticationError,
+    AuthorizationError,
+    ClusterDownError,
+    SlotNotCoveredError,
+    TryAgainError,
+)
 
 from ._errors import UnavailableError
 
@@ -35,9 +41,11 @@ RETRY_WINDOW = 30.0
 _FIRST_DELAY = 0.05
 _MAX_DELAY = 1.0
 
-#: Transport faults: worth retrying. Wrong credentials are not (they are ConnectionErrors in
+#: Transport faults, and a cluster between states (a failover in progress, a slot without a
+#: primary for now): worth retrying. Wrong credentials are not (they are ConnectionErrors in
 #: redis-py, but waiting does not fix them).
-TRANSIENT = (redis.ConnectionError, redis.TimeoutError)
+TRANSIENT = (redis.ConnectionError, redis.TimeoutError, ClusterDownError, TryAgainError,
+             SlotNotCoveredError)  # fmt: skip
 _PERMANENT = (AuthenticationError, AuthorizationError)
 
 
