@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import time
 import weakref
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import redis
@@ -294,16 +296,41 @@ def _per_node(client: Any, request: Batch, cluster: bool) -> list[Any]:
         replies = list(pipe.execute(raise_on_error=False))
         tail = replies.pop()
         return [*(raise_first_error(replies) if request.raise_on_error else replies), [tail]]
+    groups = list(by_node(client, [c[1] for c in request.commands]).values())
+    subs = [
+        Batch(request.what, [*(request.commands[i] for i in indices), request.tail],
+              raise_on_error=request.raise_on_error)
+        for _, indices in groups
+    ]  # fmt: skip
+    if len(groups) == 1:
+        done = [_on_node(client, subs[0], groups[0][0])]
+    else:  # every node at once (each waits for its own replicas)
+        futures = [_node_threads().submit(_on_node, client, sub, node)
+                   for sub, (node, _) in zip(subs, groups, strict=True)]  # fmt: skip
+        done = [f.result() for f in futures]
     out: list[Any] = [None] * len(request.commands)
     tails = []
-    for node, indices in by_node(client, [c[1] for c in request.commands]).values():
-        sub = Batch(request.what, [*(request.commands[i] for i in indices), request.tail],
-                    raise_on_error=request.raise_on_error)  # fmt: skip
-        replies = _on_node(client, sub, node)
+    for replies, (_, indices) in zip(done, groups, strict=True):
         tails.append(replies.pop())
         for i, reply in zip(indices, replies, strict=True):
             out[i] = reply
     return [*out, tails]
+
+
+_THREADS: tuple[int, ThreadPoolExecutor] | None = None  # (the pid that made them, them)
+_THREADS_LOCK = threading.Lock()
+
+
+def _node_threads() -> ThreadPoolExecutor:
+    """The threads that send one pipeline per cluster node at once (created when needed,
+    shared by every accumulator of the process; a forked child makes its own: the parent's
+    threads do not exist there)."""
+    global _THREADS
+    with _THREADS_LOCK:
+        if _THREADS is None or _THREADS[0] != os.getpid():
+            pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="accumulator-node")
+            _THREADS = (os.getpid(), pool)
+        return _THREADS[1]
 
 
 def _on_node(client: Any, request: Batch, node: Any = None) -> list[Any]:

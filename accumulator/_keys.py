@@ -7,9 +7,10 @@ all the keys it touches in KEYS and checks :data:`SCHEMA_VERSION` against the st
 =====================  ======  ==============================================================
 key                    type    contents
 =====================  ======  ==============================================================
-``P{tag}:s``           hash    state: ``schema``, ``def`` (msgpack definition), ``step``,
-                               ``count``, ``rshape`` (round shape, absent = none), ``gen``
-                               (number of takes/resets), ``tseq`` (taker join counter),
+``P{tag}:s``           hash    state: ``schema`` (2; 3: parts spread over slots), ``def``
+                               (msgpack definition), ``step``, ``count``, ``rshape``
+                               (round shape, absent = none), ``gen`` (number of
+                               takes/resets), ``tseq`` (taker join counter),
                                ``sum`` (the accsum module's dtype when sums are kept in
                                Redis, set at creation; absent: the taker sums),
                                ``bytes`` (payload bytes held), ``ttl`` (ms, private only),
@@ -22,8 +23,10 @@ key                    type    contents
                                (the running sum of ``w`` gradients, kept by the accsum
                                module: parts as for ``p``), ``b"f<k> <parts> " + blob`` (a
                                gradient being folded into that sum: parts ``0..k-1`` are in
-                               it, the others still its own) or ``b"k" + blob key`` (one
-                               key, written by schema 1 clients; still read)
+                               it, the others still its own), ``b"d<parts> " + blob``
+                               (large, in parts spread over slots: schema 3) or
+                               ``b"k" + blob key`` (one key, written by schema 1 clients;
+                               still read)
 ``P{tag}:b:<cid>:<n>:<i>`` string  part ``i`` of a large gradient payload (raw little-endian
                                bytes): every part but the last is exactly
                                :data:`accumulator._chunks.CHUNK_BYTES` long
