@@ -341,6 +341,33 @@ def by_node(client: Any, keys: Sequence[str | bytes]) -> dict[str, tuple[Any, li
     return nodes
 
 
+def split_by_node(client: Any, request: Any) -> list[tuple[Any, list[int], Any]]:
+    """A ``_requests.Batch`` with a ``tail``, for a cluster client: per node its commands'
+    keys go to, (the node, the indices of its commands, a batch of those commands then the
+    tail, replies unraised)."""
+    from dataclasses import replace
+
+    groups = by_node(client, [c[1] for c in request.commands]).values()
+    return [
+        (node, indices, replace(request, commands=[*(request.commands[i] for i in indices),
+                                                   request.tail], raise_on_error=False, tail=None))
+        for node, indices in groups
+    ]  # fmt: skip
+
+
+def join_by_node(request: Any, done: list[tuple[list[int], list[Any]]]) -> list[Any]:
+    """The replies of a batch with a ``tail`` sent in parts (each: the indices of its
+    commands, their replies then the tail's): the commands' replies in order (the first error
+    raised, if the batch says so), then the list of the tails' replies."""
+    out: list[Any] = [None] * len(request.commands)
+    tails = []
+    for indices, replies in done:
+        tails.append(replies[-1])
+        for i, reply in zip(indices, replies[:-1], strict=True):
+            out[i] = reply
+    return [*(raise_first_error(out) if request.raise_on_error else out), tails]
+
+
 def moved_error(what: str, replies: list[Any]) -> redis.ConnectionError | None:
     """For a batch sent to one node of a cluster: the transient error to raise (after
     refreshing the slot map) when a reply is a redirect, else None."""

@@ -25,11 +25,12 @@ from . import _protocol, _retry, _scripts
 from ._connection import (
     Client,
     Connections,
-    by_node,
     connect,
     is_cluster,
+    join_by_node,
     moved_error,
     raise_first_error,
+    split_by_node,
 )
 from ._errors import CancelledError
 from ._keys import SCHEMA_VERSION, Keys
@@ -293,28 +294,16 @@ def _per_node(client: Any, request: Batch, cluster: bool) -> list[Any]:
         pipe = client.pipeline(transaction=False)
         for command in (*request.commands, request.tail):
             pipe.execute_command(*command)
-        replies = list(pipe.execute(raise_on_error=False))
-        tail = replies.pop()
-        return [*(raise_first_error(replies) if request.raise_on_error else replies), [tail]]
-    groups = list(by_node(client, [c[1] for c in request.commands]).values())
-    subs = [
-        Batch(request.what, [*(request.commands[i] for i in indices), request.tail],
-              raise_on_error=request.raise_on_error)
-        for _, indices in groups
-    ]  # fmt: skip
-    if len(groups) == 1:
-        done = [_on_node(client, subs[0], groups[0][0])]
-    else:  # every node at once (each waits for its own replicas)
-        futures = [_node_threads().submit(_on_node, client, sub, node)
-                   for sub, (node, _) in zip(subs, groups, strict=True)]  # fmt: skip
-        done = [f.result() for f in futures]
-    out: list[Any] = [None] * len(request.commands)
-    tails = []
-    for replies, (_, indices) in zip(done, groups, strict=True):
-        tails.append(replies.pop())
-        for i, reply in zip(indices, replies, strict=True):
-            out[i] = reply
-    return [*out, tails]
+        whole = list(range(len(request.commands)))
+        return join_by_node(request, [(whole, list(pipe.execute(raise_on_error=False)))])
+    parts = split_by_node(client, request)
+    if len(parts) == 1:
+        node, indices, sub = parts[0]
+        return join_by_node(request, [(indices, _on_node(client, sub, node))])
+    # every node at once (each waits for its own replicas)
+    futures = [(indices, _node_threads().submit(_on_node, client, sub, node))
+               for node, indices, sub in parts]  # fmt: skip
+    return join_by_node(request, [(indices, f.result()) for indices, f in futures])
 
 
 _THREADS: tuple[int, ThreadPoolExecutor] | None = None  # (the pid that made them, them)

@@ -85,8 +85,19 @@ class _Reader:
         if kind == b"_":
             return False
         if kind == b"-":
-            raise redis.ResponseError(line[1:].decode(errors="replace"))
+            raise _error(line[1:].decode(errors="replace"))
         raise _Unsupported(f"reply of type {kind!r}")
+
+
+def _error(text: str) -> redis.RedisError:
+    """An error reply as redis-py's own parser raises it (``LOADING`` a transient
+    ``BusyLoadingError``, ``MOVED`` a ``MovedError``, ...), else a ``ResponseError``."""
+    try:
+        from redis._parsers.base import BaseParser
+    except ImportError:  # another redis-py layout: the text still says what it is
+        return redis.ResponseError(text)
+    error: redis.RedisError = BaseParser.parse_error(text)
+    return error
 
 
 def get_into(

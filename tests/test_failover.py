@@ -87,7 +87,10 @@ def test_a_sentinel_url_reaches_the_primary_from_the_library_the_cli_and_the_dem
         assert cli_main(["--url", url, "--json", "ls"]) == 0
         listed = json.loads(capsys.readouterr().out)
         assert [a["shared_name"] for a in listed["accumulators"]] == ["s"]
-        command = [sys.executable, "-m", "accumulator", "demo", "--url", url, "--steps", "20"]
+        # the connection is what is tested here (how well 20 steps train under a loaded CI
+        # is the demo's own tests' business): any accuracy a trained model reaches will do
+        command = [sys.executable, "-m", "accumulator", "demo", "--url", url, "--steps", "20",
+                   "--min-accuracy", "0.5"]  # fmt: skip
         done = subprocess.run(command, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr[-2000:]
     with pytest.raises(ValueError, match="redis\\+sentinel://host:port"):
@@ -120,7 +123,8 @@ def test_cluster_drill(tmp_path, fault, width, min_replicas):
     config = DrillConfig(
         name=f"cluster-{fault}-{width}-{min_replicas}", width=width, seconds=SECONDS,
         workers=3, block=500,
-        pace=0.02 if width < 100_000 else 0.1,
+        # parts: slower workers (1.5 MB each), but enough traffic between failovers
+        pace=0.02 if width < 100_000 else 0.1 if fault == "migrate" else 0.04,
         faults=(fault, fault, "kill_worker", "kill_taker"), fault_gap=(1.0, 3.0),
         redis_down=(0.0, 1.0), seed=31 + len(fault), min_replicas=min_replicas,
     )  # fmt: skip

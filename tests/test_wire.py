@@ -49,3 +49,23 @@ def test_a_client_without_a_socket_reads_the_ordinary_way(target):
     r = target.redis()
     r.set("a", b"abc")
     assert get_into(r, ["a"], _bufs(3)) is None
+
+
+def test_error_replies_are_raised_as_redis_py_raises_them():
+    """A server still loading its dataset after a restart answers ``LOADING``: a transient
+    ``BusyLoadingError`` (retried), not a ``ResponseError`` a take would raise to its caller."""
+    import socket
+
+    from accumulator import _retry
+    from accumulator._wire import _Reader
+
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        theirs.sendall(b"-LOADING Redis is loading the dataset in memory\r\n-ERR other\r\n")
+        reader = _Reader(ours)
+        with pytest.raises(redis.BusyLoadingError) as loading:
+            reader.bulk_into(memoryview(bytearray(3)))
+        assert _retry.is_transient(loading.value)
+        with pytest.raises(redis.ResponseError, match="other") as other:
+            reader.bulk_into(memoryview(bytearray(3)))
+        assert not _retry.is_transient(other.value)

@@ -16,7 +16,7 @@ from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.exceptions import NoScriptError
 
 from .. import _retry, _scripts
-from .._connection import by_node, moved_error, raise_first_error
+from .._connection import join_by_node, moved_error, raise_first_error, split_by_node
 from .._errors import CancelledError
 from .._model import AccumulatorModel, server_of
 from .._requests import (
@@ -381,25 +381,13 @@ async def _per_node(client: Any, request: Batch) -> list[Any]:
         pipe = client.pipeline(transaction=False)
         for command in (*request.commands, request.tail):
             pipe.execute_command(*command)
-        replies = list(await pipe.execute(raise_on_error=False))
-        tail = replies.pop()
-        return [*(raise_first_error(replies) if request.raise_on_error else replies), [tail]]
+        whole = list(range(len(request.commands)))
+        return join_by_node(request, [(whole, list(await pipe.execute(raise_on_error=False)))])
     await client.initialize()
-    groups = list(by_node(client, [c[1] for c in request.commands]).values())
-    subs = [
-        Batch(request.what, [*(request.commands[i] for i in indices), request.tail],
-              raise_on_error=request.raise_on_error)
-        for _, indices in groups
-    ]  # fmt: skip
-    sends = (_on_node(client, sub, node) for sub, (node, _) in zip(subs, groups, strict=True))
-    done = await asyncio.gather(*sends)
-    out: list[Any] = [None] * len(request.commands)
-    tails = []
-    for replies, (_, indices) in zip(done, groups, strict=True):
-        tails.append(replies.pop())
-        for i, reply in zip(indices, replies, strict=True):
-            out[i] = reply
-    return [*out, tails]
+    parts = split_by_node(client, request)
+    done = await asyncio.gather(*(_on_node(client, sub, node) for node, _, sub in parts))
+    pairs = zip(parts, done, strict=True)
+    return join_by_node(request, [(indices, replies) for (_, indices, _), replies in pairs])
 
 
 async def _on_node(client: Any, request: Batch, node: Any = None) -> list[Any]:
