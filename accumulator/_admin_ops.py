@@ -39,7 +39,7 @@ def sweep(r: redis.Redis, keys: Keys) -> int:
                                 [schema, "", 0, 200, SWEEP_LEASE_MS])  # fmt: skip
         if not members:
             return swept
-        _unlink(r, keys.payload_keys([m[1:] for m in members]))
+        _unlink(r, keys.orphan_parts(members))
         r.zrem(keys.orphans, *members)
         swept += len(members)
 
@@ -93,9 +93,8 @@ def delete(
     pipe.zrange(keys.orphans, 0, -1)
     pipe.unlink(*fixed)
     entries, orphans, removed = pipe.execute()
-    removed = int(removed)
     # spread payloads not in the round: registered, dropped, taken (their parts elsewhere)
-    entries += [m[1:] if m[:1] == b"x" else m for m in orphans]
+    removed = int(removed) + _unlink(r, keys.orphan_parts(orphans))
     rest = sorted(_scan(r, keys.pattern))
     for name in rest:  # claims' spread payloads (their parts are not under the pattern)
         if name.startswith(keys.claim("").encode()):

@@ -217,6 +217,13 @@ class Keys:
         """Whether a round entry is a payload spread over slots (``b"d<parts> <blob>"``)."""
         return entry[:1] == b"d"
 
+    def orphan_parts(self, members: list[bytes]) -> list[bytes]:
+        """The part keys of the spread payloads that members of the orphans zset name
+        (``x<entry>`` garbage or ``<entry>`` registrations); anything else is untrusted input
+        and names nothing."""
+        entries = [m[1:] if m[:1] == b"x" else m for m in members]
+        return [key for e in entries if self.is_spread(e) for key in self.entry_keys(e) or ()]
+
     def spread_entry(self, blob: str, nbytes: int) -> bytes:
         """The round entry of a spread payload of ``nbytes`` written under ``blob``."""
         from ._chunks import n_parts

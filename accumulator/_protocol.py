@@ -216,11 +216,11 @@ def _send_spread(
     if durability is not None:  # a wait that failed confirmed nothing
         acked = [durability.unconfirmed() if isinstance(a, Exception) else a for a in acked]
         acked += registered
-    failed = next((r for r in replies if isinstance(r, Exception)), None)
+    failed = _first_error(replies)
     if failed is not None:
         # refused (maxmemory, ACL): what was written goes, and the registration with it
         yield from discard(acc, [entry])
-        raise _scripts.translate(failed) if isinstance(failed, ResponseError) else failed
+        raise failed
     return acked, [g for g in garbage if isinstance(g, bytes)]
 
 
@@ -242,8 +242,7 @@ def discard(acc: AccumulatorModel, members: list[bytes]) -> Ops[None]:
     failed to write), then the members. Best effort: a failure is logged,
     and another sweeper deletes them once the lease ran out."""
     k = acc._keys
-    entries = [m[1:] if m[:1] == b"x" else m for m in members]  # garbage, or a registration
-    parts = [key for e in entries if Keys.is_spread(e) for key in k.entry_keys(e) or ()]
+    parts = k.orphan_parts(members)
     try:
         for i in range(0, len(parts), 512):
             yield Batch("sweep", [("UNLINK", key) for key in parts[i : i + 512]])
@@ -279,12 +278,17 @@ def _committed(
         acked = replies.pop()
         # a wait that failed confirmed nothing
         replies.acked = durability.unconfirmed() if isinstance(acked, Exception) else acked
-    for result in replies:
-        if isinstance(result, ResponseError):
-            raise _scripts.translate(result)
-        if isinstance(result, Exception):
-            raise result
+    failed = _first_error(replies)
+    if failed is not None:
+        raise failed
     return replies
+
+
+def _first_error(replies: list[Any]) -> Exception | None:
+    """The first error among a batch's replies, as ours where it is ours (``ACCERR``,
+    maxmemory, ACL), else None."""
+    failed = next((r for r in replies if isinstance(r, Exception)), None)
+    return _scripts.translate(failed) if isinstance(failed, ResponseError) else failed
 
 
 def fold(acc: AccumulatorModel, blob: str) -> Ops[None]:

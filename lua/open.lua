@@ -1,7 +1,8 @@
 -- open: create the accumulator if it does not exist, else return the creator's definition.
 -- KEYS[1] state hash
 -- ARGV[1] schema version of a new accumulator: 2, or 3 when its large payloads are to be
---         spread over slots ('d' entries; clients speaking 2 only then refuse it)  ARGV[2] definition (msgpack)  ARGV[3] safety-net ttl ms (0 = none)
+--         spread over slots ('d' entries; clients speaking 2 only then refuse it)
+-- ARGV[2] definition (msgpack)  ARGV[3] safety-net ttl ms (0 = none)
 -- ARGV[4] pending-bytes limit  ARGV[5] '1' when the opener chose that limit explicitly (it
 --         then replaces the stored one), '0' when it is the library default (kept if set)
 -- ARGV[6] the accsum module's dtype when a new accumulator keeps its sums in Redis, else ''

@@ -30,15 +30,12 @@ if tonumber(ARGV[4]) == 0 then return out end
 local lease = now + tonumber(ARGV[5])
 local due = redis.call('ZRANGEBYSCORE', orphans, '-inf', int_str(now), 'LIMIT', 0, ARGV[4])
 for _, member in ipairs(due) do
-  local own = string.sub(member, 1, 1) == 'x' and string.sub(member, 2) or member
-  if member ~= 'x' .. own then
-    redis.call('ZREM', orphans, member)  -- a registration that ran out: garbage now
-  end
-  if spread_parts(base, own) then  -- anything else is not ours to follow: dropped
-    redis.call('ZADD', orphans, int_str(lease), 'x' .. own)
-    out[#out + 1] = 'x' .. own
-  elseif member == 'x' .. own then
-    redis.call('ZREM', orphans, member)
+  -- garbage, or a registration that ran out (garbage now): leased to the caller if it is one
+  -- of ours, dropped if it is anything else (not ours to follow)
+  redis.call('ZREM', orphans, member)
+  local entry_of = string.sub(member, 1, 1) == 'x' and string.sub(member, 2) or member
+  for _, garbage in ipairs(discard_spread(base, orphans, {entry_of}, lease)) do
+    out[#out + 1] = garbage
   end
 end
 return out
