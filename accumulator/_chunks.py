@@ -11,7 +11,7 @@ The scripts know the same number (``CHUNK`` in ``lua/_common.lua``); a test chec
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 #: Bytes per part of a large payload (a multiple of every dtype's item size): 1 MiB less
 #: 4 KiB. Redis stores a value received as a big argument in an allocation of its length plus
@@ -58,3 +58,18 @@ def windows(parts: int, sources: int, window: int = WINDOW_BYTES,
     step = max(1, window // max(1, sources * chunk))
     for first in range(0, parts, step):
         yield range(first, min(first + step, parts))
+
+
+def byte_windows(sizes: Sequence[int], window: int = WINDOW_BYTES) -> list[range]:
+    """Consecutive index ranges of items of ``sizes`` bytes to fetch per round trip: about
+    ``window`` bytes each (at least one item), in order."""
+    out: list[range] = []
+    first, total = 0, 0
+    for j, size in enumerate(sizes):
+        if j > first and total + size > window:
+            out.append(range(first, j))
+            first, total = j, 0
+        total += size
+    if first < len(sizes):
+        out.append(range(first, len(sizes)))
+    return out

@@ -341,13 +341,31 @@ def by_node(client: Any, keys: Sequence[str | bytes]) -> dict[str, tuple[Any, li
     return nodes
 
 
+def command_key(command: Sequence[Any]) -> str | bytes | None:
+    """The key a command is routed by on a cluster: an EVALSHA's first key, another
+    command's first argument; None for a script call without keys."""
+    name = str(command[0]).upper()
+    if name in ("EVALSHA", "EVAL"):
+        return command[3] if int(command[2]) > 0 else None
+    return command[1] if len(command) > 1 else None
+
+
+def routing_keys(commands: Sequence[Sequence[Any]]) -> list[str | bytes] | None:
+    """Each command's :func:`command_key`; None when one has none."""
+    keys = [command_key(command) for command in commands]
+    return None if any(key is None for key in keys) else cast("list[str | bytes]", keys)
+
+
 def split_by_node(client: Any, request: Any) -> list[tuple[Any, list[int], Any]]:
     """A ``_requests.Batch`` with a ``tail``, for a cluster client: per node its commands'
     keys go to, (the node, the indices of its commands, a batch of those commands then the
     tail, replies unraised)."""
     from dataclasses import replace
 
-    groups = by_node(client, [c[1] for c in request.commands]).values()
+    keys = routing_keys(request.commands)
+    if keys is None:
+        raise ValueError(f"{request.what}: a command without a key cannot be routed by node")
+    groups = by_node(client, keys).values()
     return [
         (node, indices, replace(request, commands=[*(request.commands[i] for i in indices),
                                                    request.tail], raise_on_error=False, tail=None))

@@ -7,14 +7,11 @@ thread. Kind-specific code (validation, payload layout, reduction) lives in
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 import threading
 import time
 import weakref
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import redis
@@ -22,16 +19,8 @@ from redis.client import PubSub
 from redis.exceptions import NoScriptError
 
 from . import _protocol, _retry, _scripts
-from ._connection import (
-    Client,
-    Connections,
-    connect,
-    is_cluster,
-    join_by_node,
-    moved_error,
-    raise_first_error,
-    split_by_node,
-)
+from ._cluster_batch import by_node_batch, each, is_script, on_node, per_node
+from ._connection import Client, Connections, connect, is_cluster
 from ._errors import CancelledError
 from ._keys import SCHEMA_VERSION, Keys
 from ._model import AccumulatorModel, server_of
@@ -158,11 +147,11 @@ class AccumulatorBase(AccumulatorModel):
 
     # -- the driver ---------------------------------------------------------------------------
 
-    def _run(self, ops: Ops[_T]) -> _T:
+    def _run(self, ops: Ops[_T], error: BaseException | None = None) -> _T:
         """Run a protocol step to its end: each request is done here and its reply (or its
-        exception) handed back."""
+        exception) handed back. ``error``: thrown into the step first (it was interrupted
+        while another driver ran it, :mod:`._together`)."""
         reply: Any = None
-        error: BaseException | None = None
         while True:
             done, request = advance(ops, reply, error)
             if done:
@@ -208,11 +197,13 @@ class AccumulatorBase(AccumulatorModel):
 
         def send() -> list[Any]:
             if self._cluster and all(c[0] == "SCRIPT" for c in request.commands):
-                return [_each(commands, c, request.raise_on_error) for c in request.commands]
+                return [each(commands, c, request.raise_on_error) for c in request.commands]
             if request.tail is not None:
-                return _per_node(commands, request, self._cluster)
+                return per_node(commands, request, self._cluster)
             if self._cluster and request.node_key is not None:
-                return _on_node(commands, request)
+                return on_node(commands, request)
+            if self._cluster and any(is_script(c) for c in request.commands):
+                return by_node_batch(commands, request)
             pipe = commands.pipeline(transaction=False)
             for command in request.commands:
                 pipe.execute_command(*command)
@@ -284,73 +275,3 @@ class AccumulatorBase(AccumulatorModel):
             logger.debug("wait on %s interrupted: %s", self._keys.base, exc)
             time.sleep(0.05)  # a refused reconnect fails at once: do not spin
             return False
-
-
-def _per_node(client: Any, request: Batch, cluster: bool) -> list[Any]:
-    """A batch with a ``tail``: on a cluster, one pipeline per node its commands' keys
-    go to, each ending with the tail; the replies in order, then the tails' replies."""
-    assert request.tail is not None
-    if not cluster:
-        pipe = client.pipeline(transaction=False)
-        for command in (*request.commands, request.tail):
-            pipe.execute_command(*command)
-        whole = list(range(len(request.commands)))
-        return join_by_node(request, [(whole, list(pipe.execute(raise_on_error=False)))])
-    parts = split_by_node(client, request)
-    if len(parts) == 1:
-        node, indices, sub = parts[0]
-        return join_by_node(request, [(indices, _on_node(client, sub, node))])
-    # every node at once (each waits for its own replicas)
-    futures = [(indices, _node_threads().submit(_on_node, client, sub, node))
-               for node, indices, sub in parts]  # fmt: skip
-    return join_by_node(request, [(indices, f.result()) for indices, f in futures])
-
-
-_THREADS: tuple[int, ThreadPoolExecutor] | None = None  # (the pid that made them, them)
-_THREADS_LOCK = threading.Lock()
-
-
-def _node_threads() -> ThreadPoolExecutor:
-    """The threads that send one pipeline per cluster node at once (created when needed,
-    shared by every accumulator of the process; a forked child makes its own: the parent's
-    threads do not exist there)."""
-    global _THREADS
-    with _THREADS_LOCK:
-        if _THREADS is None or _THREADS[0] != os.getpid():
-            pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="accumulator-node")
-            _THREADS = (os.getpid(), pool)
-        return _THREADS[1]
-
-
-def _on_node(client: Any, request: Batch, node: Any = None) -> list[Any]:
-    """A batch on one connection to the node serving its ``node_key`` (or ``node``): a
-    cluster pipeline would send a keyless WAIT elsewhere. A slot on the move or a failover in
-    progress (MOVED, ASK, TRYAGAIN, CLUSTERDOWN in a reply) refreshes the slot map and raises
-    a transient error: the batch is sent again, whole (its commands are idempotent)."""
-    if node is None:
-        node = client.get_node_from_key(request.node_key)
-    pipe = client.get_redis_connection(node).pipeline(transaction=False)
-    for command in request.commands:
-        pipe.execute_command(*command)
-    try:
-        replies: list[Any] = pipe.execute(raise_on_error=False)
-    except (redis.ConnectionError, redis.TimeoutError):
-        with contextlib.suppress(redis.RedisError, OSError):  # the node may be gone for now
-            client.nodes_manager.initialize()
-        raise
-    moved = moved_error(request.what, replies)
-    if moved is not None:
-        client.nodes_manager.initialize()
-        raise moved
-    return raise_first_error(replies) if request.raise_on_error else replies
-
-
-def _each(client: Any, command: tuple[Any, ...], raise_on_error: bool) -> Any:
-    """One command of a batch that a cluster pipeline cannot route (SCRIPT LOAD: every
-    primary); its error as the reply unless ``raise_on_error``."""
-    try:
-        return client.execute_command(*command)
-    except redis.ResponseError as exc:
-        if raise_on_error:
-            raise
-        return exc

@@ -193,6 +193,16 @@ class SparseOps(AccumulatorModel):
 
     # -- take ---------------------------------------------------------------------------------
 
+    def _take_grad_ops(
+        self,
+        num_required: Any,
+        timeout: Any,
+        out: None = None,
+        cancel: threading.Event | None = None,
+    ) -> Ops[SparseGradient]:
+        """The take as a protocol step (``out`` is the dense accumulator's; none here)."""
+        return (yield from take(self, num_required, timeout, self._merge_claim, cancel))
+
     def _merge_claim(self, claim: Claim) -> Ops[SparseGradient]:
         # runs before the take returns: if it fails (MemoryError...), the round goes back
         inner = claim.round_shape or ()
@@ -279,7 +289,7 @@ class SparseConditionalAccumulator(AccumulatorBase, SparseOps):
         """Block until ``num_required`` gradients arrived, then return the merged rows
         ``(indices, values, shape)`` and advance the global step. ``timeout`` and
         ``cancel`` as for the dense accumulator's ``take_grad``."""
-        return self._run(take(self, num_required, timeout, self._merge_claim, cancel))
+        return self._run(self._take_grad_ops(num_required, timeout, None, cancel))
 
     def take_indexed_slices_grad(
         self,

@@ -156,21 +156,22 @@ def write_parts(
         pipe.set(key, data[start:stop], **set_kwargs)
 
 
-def read_parts_into(
+def read_views_into(
     commands: redis.Redis, io: Callable[[str, Callable[[], Any]], Any], keys: Sequence[str],
-    out: memoryview, what: str,
+    outs: Sequence[memoryview], what: str,
 ) -> bool:  # fmt: skip
-    """Fill ``out`` (a flat writable byte view) from its parts, a window of them per round
-    trip; False when a part is missing or of the wrong length (nothing is trusted)."""
-    ranges = _chunks.part_ranges(out.nbytes)
-    if len(keys) != len(ranges):
-        raise ValueError(f"{len(keys)} keys for {len(ranges)} parts")
-    for window in _chunks.windows(len(ranges), 1):
-        outs = [out[ranges[j][0] : ranges[j][1]] for j in window]
+    """GET ``keys[j]`` into ``outs[j]`` (flat writable byte views of the expected lengths,
+    each at most a chunk), about a window of bytes per round trip, however many payloads the
+    keys belong to (the parameters of a model: one round trip for all small ones); False
+    when a value is missing or of the wrong length (nothing is trusted)."""
+    if len(keys) != len(outs):
+        raise ValueError(f"{len(keys)} keys for {len(outs)} buffers")
+    for window in _chunks.byte_windows([o.nbytes for o in outs]):
         names = [keys[j] for j in window]
+        views = [outs[j] for j in window]
 
-        def receive(names: list[str] = names, outs: list[memoryview] = outs) -> Any:
-            return get_into(commands, names, outs)
+        def receive(names: list[str] = names, views: list[memoryview] = views) -> Any:
+            return get_into(commands, names, views)
 
         found = io(what, receive)
         if found is not None:  # received in place
@@ -178,15 +179,21 @@ def read_parts_into(
                 return False
             continue
 
-        def run(window: range = window) -> list[Any]:
+        def run(names: list[str] = names) -> list[Any]:
             pipe = commands.pipeline(transaction=False)
-            for j in window:
-                pipe.get(keys[j])
+            for name in names:
+                pipe.get(name)
             return pipe.execute()
 
-        for j, value in zip(window, io(what, run), strict=True):
-            start, stop = ranges[j]
-            if value is None or len(value) != stop - start:
+        for view, value in zip(views, io(what, run), strict=True):
+            if not fill(view, value):
                 return False
-            out[start:stop] = value
+    return True
+
+
+def fill(view: memoryview, value: Any) -> bool:
+    """Copy a GET reply into its buffer; False when it is missing or of another length."""
+    if value is None or len(value) != view.nbytes:
+        return False
+    view[:] = value
     return True

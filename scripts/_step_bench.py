@@ -60,12 +60,13 @@ def _worker(url: str, name: str, nbytes: int, index: int, conn: Any) -> None:
     acc.close()
 
 
-def _sync_worker(url: str, job: str, nbytes: int, index: int, conn: Any) -> None:
+def _sync_worker(url: str, job: str, nbytes: int, index: int, conn: Any,
+                 tensors: int = 1) -> None:  # fmt: skip
     from accumulator.sync import Worker
 
     worker = Worker(job, client=url, worker_id=f"w{index}")
     step, _ = worker.pull(timeout=60)
-    grad = {"p": np.full(nbytes // 4, float(index + 1), np.float32)}
+    grad = {f"p{k}": np.full(nbytes // 4, float(index + 1), np.float32) for k in range(tensors)}
     conn.send("ready")
     while True:
         if conn.recv() is None:
@@ -77,23 +78,26 @@ def _sync_worker(url: str, job: str, nbytes: int, index: int, conn: Any) -> None
 
 
 def run_sync(url: str, sizes: dict[str, int], workers: int, runs: int,
-             verbose: bool) -> list[tuple[str, int, float]]:  # fmt: skip
+             verbose: bool, tensors: int = 1) -> list[tuple[str, int, float]]:  # fmt: skip
     """The sync helper's step: every worker pushes, the chief steps (takes, updates,
-    publishes), every worker pulls the new parameters; (size, W, median ms) per size."""
+    publishes), every worker pulls the new parameters; (size, W, median ms) per size. With
+    ``tensors``: a model of that many parameters of the size each (the label says so)."""
     from accumulator.sync import ParameterServer
 
     out = []
     ctx = mp.get_context("spawn")
     r = redis.Redis.from_url(url)
     for label, nbytes in sizes.items():
+        if tensors > 1:
+            label = f"{tensors} × {label}"
         r.flushall()
         job = f"sync/{label}/{workers}"
         ps = ParameterServer(job, replicas_to_aggregate=workers, client=url)
-        ps.initialize({"p": np.zeros(nbytes // 4, np.float32)})
+        ps.initialize({f"p{k}": np.zeros(nbytes // 4, np.float32) for k in range(tensors)})
         pipes, procs = [], []
         for i in range(workers):
             mine, theirs = ctx.Pipe()
-            proc = ctx.Process(target=_sync_worker, args=(url, job, nbytes, i, theirs),
+            proc = ctx.Process(target=_sync_worker, args=(url, job, nbytes, i, theirs, tensors),
                                daemon=True)  # fmt: skip
             proc.start()
             pipes.append(mine)
@@ -311,6 +315,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tf-python", metavar="PATH",
                         help="a Python with tensorflow: measure TF's parameter server (W=4) in "
                         "the same run (scripts/_tf_step.py)")  # fmt: skip
+    parser.add_argument("--tensors", type=int, nargs="+", default=[16],
+                        help="also the sync helper's step with models of this many tensors, "
+                        "each of the sizes up to 1 MiB (default 16; 1 for none)")  # fmt: skip
     parser.add_argument("-q", "--quiet", action="store_true")
     args = parser.parse_args(argv)
     sizes = dict(SIZES, **(LARGE if args.large else {}))
@@ -329,6 +336,10 @@ def main(argv: list[str] | None = None) -> int:
                 rows += run_path(server.url, path, sizes, w, args.runs, not args.quiet)
             if path == paths[0][0]:  # the sync helper on the default server
                 sync = run_sync(server.url, sizes, max(args.workers), args.runs, not args.quiet)
+                small = {k: v for k, v in sizes.items() if v <= MiB}
+                for n in (t for t in args.tensors if t > 1):  # many small tensors
+                    sync += run_sync(server.url, small, max(args.workers), args.runs,
+                                     not args.quiet, tensors=n)  # fmt: skip
     tf_ms = measure_tf(args.tf_python, sizes, args.runs, not args.quiet) if args.tf_python else None
     print(render(rows, tf_ms))
     if sync:
@@ -341,8 +352,8 @@ def main(argv: list[str] | None = None) -> int:
         for label, w, ms in sync:
             base = by.get((label, w))
             ratio = f"{ms / base.step_ms:.2f}" if base else "—"
-            print(f"| {label} | {w} | {ms:.2f} ms | "
-                  f"{base.step_ms if base else float('nan'):.2f} ms | {ratio} |")  # fmt: skip
+            base_ms = f"{base.step_ms:.2f} ms" if base else "—"
+            print(f"| {label} | {w} | {ms:.2f} ms | {base_ms} | {ratio} |")
     if args.json:
         with contextlib.suppress(OSError), open(args.json, "w") as f:
             json.dump([asdict(r) for r in rows], f, indent=1)

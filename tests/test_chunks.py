@@ -92,6 +92,24 @@ def test_windows_visit_every_part_once(parts, sources):
                for w in _chunks.windows(parts, sources))  # fmt: skip
 
 
+@given(st.lists(st.integers(0, 3 * CHUNK), max_size=60), st.integers(1, 8 * CHUNK))
+def test_byte_windows_visit_every_item_once_about_a_window_each(sizes, window):
+    ranges = _chunks.byte_windows(sizes, window)
+    assert [j for w in ranges for j in w] == list(range(len(sizes)))
+    for w in ranges:
+        total = sum(sizes[j] for j in w)
+        assert len(w) >= 1 and (len(w) == 1 or total <= window)
+    # a window ends only where the next item would overflow it
+    for a, b in zip(ranges, ranges[1:], strict=False):
+        assert sum(sizes[j] for j in a) + sizes[b[0]] > window
+
+
+def test_small_parameters_share_one_window():
+    assert _chunks.byte_windows([4096] * 50) == [range(50)]
+    assert _chunks.byte_windows([CHUNK] * 9) == [range(8), range(8, 9)]
+    assert _chunks.byte_windows([]) == []
+
+
 DTYPES = [np.float32, np.float64, np.float16, ml_dtypes.bfloat16, np.int8, np.int32,
           np.uint16, np.complex64]  # fmt: skip
 

@@ -160,3 +160,16 @@ def test_close_breaks_a_wait_on_shared_pools_at_once(real_url: str, queued: bool
         np.testing.assert_array_equal(other.take_grad(2, timeout=5), np.ones(3, np.float32))
     assert other.global_step() == 1
     other.close()
+
+
+def test_a_command_is_routed_by_its_first_key_a_script_call_by_its_first_keys_entry():
+    assert _connection.command_key(("SET", "acc:{a}:b", b"x")) == "acc:{a}:b"
+    assert _connection.command_key(["EVALSHA", "f" * 40, 2, "acc:{a}:s", "acc:{a}:g", 7]) == (
+        "acc:{a}:s"
+    )
+    assert _connection.command_key(["EVALSHA", "f" * 40, 0, "arg"]) is None
+    assert _connection.command_key(("PING",)) is None
+    assert _connection.routing_keys([("GET", "k1"), ("EVAL", "return 1", 1, "k2")]) == [
+        "k1", "k2",
+    ]  # fmt: skip
+    assert _connection.routing_keys([("GET", "k1"), ("PING",)]) is None

@@ -103,3 +103,49 @@ def test_a_new_run_and_a_job_delete_leave_no_version_behind(target):
     _admin.delete_job(r, "n")
     assert _values(r, keys) == {}
     ps.close()
+
+
+def _small_model() -> dict[str, np.ndarray]:
+    return {f"layer{i}": np.full((8, 4), i, np.float32) for i in range(6)}
+
+
+def test_a_small_model_is_published_and_pulled_in_one_round_trip(real, sends):
+    """Six small parameters: the chief's publish is one MULTI (parts and hash together), a
+    steady worker's pull one pipeline (the hash and the version it expects next)."""
+    ps = ParameterServer("small", replicas_to_aggregate=1, client=real.client())
+    ps.initialize(_small_model())
+    worker = Worker("small", client=real.client())
+    step, _ = worker.pull(timeout=5)
+    worker.push(step, {name: np.ones((8, 4), np.float32) for name in _small_model()})
+    ps.step(0.5, timeout=5)
+    sends[0] = 0
+    step, params = worker.pull(after=step, timeout=5)
+    assert step == 1 and sends[0] == 1
+    for name, value in _small_model().items():
+        np.testing.assert_array_equal(params[name], value - 0.5)
+    sends[0] = 0
+    ps._publish()  # the same version again (what a retry sends)
+    assert sends[0] == (2 if real.kind == "cluster" else 1)  # a cluster publishes after EXEC
+    worker.close()
+    ps.close()
+
+
+def test_a_worker_steps_behind_pulls_the_newest_parameters(target):
+    """The pull reads the version it expects next along with the hash; when the chief is
+    further ahead, it reads the version the hash names instead."""
+    ps = ParameterServer("behind", replicas_to_aggregate=1, client=target.client())
+    ps.initialize(_small_model())
+    slow = Worker("behind", client=target.client())
+    fast = Worker("behind", client=target.client())
+    assert slow.pull(timeout=5)[0] == 0
+    for step in range(2):
+        fast.pull(timeout=5)
+        fast.push(step, {name: np.ones((8, 4), np.float32) for name in _small_model()})
+        ps.step(1.0, timeout=5)
+    step, params = slow.pull(after=0, timeout=5)
+    assert step == 2
+    for name, value in _small_model().items():
+        np.testing.assert_array_equal(params[name], value - 2.0)
+    for w in (slow, fast):
+        w.close()
+    ps.close()

@@ -374,7 +374,7 @@ class AccumulatorBase(AccumulatorModel):
 
 
 async def _per_node(client: Any, request: Batch) -> list[Any]:
-    """The asyncio twin of ``_core._per_node``: one pipeline per node (concurrently), each
+    """The asyncio twin of ``_cluster_batch.per_node``: one pipeline per node (concurrently), each
     ending with the batch's ``tail``; the replies in order, then the tails' replies."""
     assert request.tail is not None
     if not is_cluster(client):
@@ -391,7 +391,7 @@ async def _per_node(client: Any, request: Batch) -> list[Any]:
 
 
 async def _on_node(client: Any, request: Batch, node: Any = None) -> list[Any]:
-    """The asyncio twin of ``_core._on_node``: a batch on one connection to the node serving
+    """The asyncio twin of ``_cluster_batch.on_node``: a batch on one connection to the node serving
     its ``node_key`` (or ``node``); a redirect or a lost node refreshes the slot map and
     raises a transient error (the batch is sent again, whole)."""
     await client.initialize()

@@ -7,7 +7,6 @@ import contextlib
 import logging
 import os
 import socket
-import time
 import uuid
 import weakref
 from collections.abc import Iterable, Mapping
@@ -15,11 +14,12 @@ from typing import Any
 
 import numpy as np
 
-from .. import _admin, _retry
+from .. import _admin, _chunks, _retry
 from .._connection import Client, is_cluster
 from .._errors import DeadlineExceededError, NotFoundError
 from .._keys import Keys, is_done_mark
 from .._stream import write_parts
+from .._together import run_together
 from ._job import TrainingFinished, _Job, _text, accumulator_name
 from ._lease import CHIEF_LEASE_SECONDS, _ChiefLease, chief_key
 from ._params import Update, apply_update, specs_for, zero_grad
@@ -307,17 +307,25 @@ class ParameterServer(_Job):
         previous = self._published_version
         old_keys = [] if previous in (None, (run, step)) else self._version_keys(*previous)
 
+        # Small parameters (a chunk in all) go in the MULTI that switches the hash: one round
+        # trip, and a part refused (maxmemory) aborts the whole publish.
+        small = sum(data.nbytes for _, data in parts) <= _chunks.CHUNK_BYTES
+
         def publish() -> None:
             # The new version's parts first (one chunk per command), then one MULTI switches
             # the hash to it: readers see either the old step and parameters or the new ones.
             # The previous version stays readable for a minute (a reader may be in the middle
             # of it). Sent again after a fault, it writes the same values.
-            pipe = self.redis.pipeline(transaction=False)
-            for keys, data in parts:
-                write_parts(pipe, keys, data)
-            pipe.execute()
+            if not small:
+                pipe = self.redis.pipeline(transaction=False)
+                for keys, data in parts:
+                    write_parts(pipe, keys, data)
+                pipe.execute()
             cluster = is_cluster(self.redis)
             pipe = self.redis.pipeline(transaction=True)
+            if small:
+                for keys, data in parts:
+                    write_parts(pipe, keys, data)
             pipe.hset(self.keys.params, mapping=mapping)
             if not cluster:
                 pipe.publish(self.keys.channel, str(self._step))
@@ -363,17 +371,21 @@ class ParameterServer(_Job):
                 "initialize(resume=False) starts it anew"
             )
         self._lease.check(renew=False)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        for spec in self._specs:
-            if spec.name in self._taken:
-                continue
-            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            acc = self._accs[spec.name]
-            try:
-                self._taken[spec.name] = acc.take_grad(  # type: ignore[attr-defined]
-                    self.replicas_to_aggregate, timeout=remaining
-                )
-            except DeadlineExceededError as exc:
+        # every parameter's take at once: their script calls share round trips
+        todo = [spec for spec in self._specs if spec.name not in self._taken]
+
+        def taken(i: int, outcome: tuple[bool, Any]) -> None:  # kept even if interrupted
+            if outcome[0]:
+                self._taken[todo[i].name] = outcome[1]
+
+        outcomes = run_together([
+            (acc, acc._take_grad_ops(self.replicas_to_aggregate, timeout, None))
+            for acc in (self._accs[spec.name] for spec in todo)
+        ], taken)  # fmt: skip
+        failures = [(spec, value) for spec, (ok, value) in zip(todo, outcomes, strict=True)
+                    if not ok]  # fmt: skip
+        for spec, exc in failures:
+            if isinstance(exc, DeadlineExceededError):
                 kept = sorted(self._taken)
                 raise DeadlineExceededError(
                     f"sync job {self.job!r}, step {self._step}: parameter {spec.name!r} "
@@ -381,6 +393,8 @@ class ParameterServer(_Job):
                     f"{timeout:g}s; taken and kept for the next step(): "
                     f"{', '.join(repr(n) for n in kept) or 'none'} ({exc})"
                 ) from exc
+        if failures:
+            raise failures[0][1]
         self._lease.check(renew=True)  # never publish over another chief
         grads, self._taken = self._taken, {}
         self._params = apply_update(update, self._specs, self._params, grads, self._step)

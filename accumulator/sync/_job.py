@@ -4,22 +4,45 @@ the parameters, reading the published state, and the job's statistics."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
 import redis
 
-from .. import _admin, _retry
+from .. import _admin, _chunks, _retry
 from .._codec import wire_dtype
 from .._connection import Client, connect
-from .._core import AccumulatorBase
 from .._dense import ConditionalAccumulator
 from .._keys import Keys, SyncKeys
 from .._sparse import SparseConditionalAccumulator
-from .._stream import read_parts_into
+from .._stream import fill, read_views_into
 from ._published import ParamSpec, Published, decode_published, nbytes_of
+
+
+@dataclass(frozen=True)
+class Version:
+    """One published version of a job's parameters: (run, step) and the specs they have."""
+
+    run: str
+    step: int
+    specs: tuple[ParamSpec, ...]
+
+    @classmethod
+    def of(cls, published: Published) -> Version:
+        """The version ``published`` names."""
+        return cls(published.run, published.step, tuple(published.specs))
+
+    @property
+    def nbytes(self) -> int:
+        """The parameters' bytes in all."""
+        return sum(nbytes_of(spec) for spec in self.specs)
+
+
+def _native(specs: Sequence[ParamSpec], arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The parameters in native byte order (read as the wire's little-endian arrays)."""
+    return {spec.name: arrays[spec.name].astype(spec.dtype, copy=False) for spec in specs}
 
 
 class TrainingFinished(Exception):
@@ -129,7 +152,7 @@ class _Job:
         self._redis: redis.Redis = self._conns.commands  # what the accumulators derive from
         self._blocking: redis.Redis = self._conns.blocking  # pub/sub waits only
         self._specs: list[ParamSpec] = []
-        self._accs: dict[str, AccumulatorBase] = {}
+        self._accs: dict[str, ConditionalAccumulator | SparseConditionalAccumulator] = {}
 
     def __repr__(self) -> str:
         step = getattr(self, "_step", None)
@@ -172,22 +195,50 @@ class _Job:
             acc.close()
         self._accs = {}
 
-    def _read_published(self, with_params: bool = True) -> Published | None:
+    def _read_published(
+        self,
+        with_params: bool = True,
+        *,
+        wanted: Callable[[Published], bool] | None = None,
+        guess: Version | None = None,
+    ) -> Published | None:
         """The published state (one HMGET, a consistent snapshot) and, ``with_params``, the
         parameters of the version it names, read in chunks into fresh arrays; retried
         through Redis faults. A version that expired under the reader (the chief published
-        twice meanwhile) is read again, at the newer version."""
+        twice meanwhile) is read again, at the newer version.
+
+        ``wanted``: the parameters are read only for a version it accepts (else the state
+        comes without them). ``guess``: the version the caller expects next; when its
+        parameters are small (a chunk in all), they are read in the same round trip as the
+        hash and kept if the hash names that version (a worker's pull of a small model is
+        then one round trip)."""
         fields = ("run", "step", "done", "meta")
         missing: tuple[str, int] | None = None
         while True:
-            values: list[Any] = self._io(
-                "reading the published step", lambda: self.redis.hmget(self.keys.params, fields)
-            )
-            raw = {f.encode(): v for f, v in zip(fields, values, strict=True) if v is not None}
+            early = None
+            if guess is not None and guess.nbytes <= _chunks.CHUNK_BYTES:
+                early = self._param_buffers(guess.run, guess.step, guess.specs)
+            head = [] if early is None else early[0]
+
+            def look(head: list[str] = head) -> list[Any]:
+                pipe = self.redis.pipeline(transaction=False)
+                pipe.hmget(self.keys.params, fields)
+                for key in head:
+                    pipe.get(key)
+                return pipe.execute()
+
+            replies = self._io("reading the published step", look)
+            raw = {f.encode(): v for f, v in zip(fields, replies[0], strict=True) if v is not None}
             published = decode_published(self.job, raw)
-            if published is None or not with_params:
+            if published is None or not with_params or (wanted and not wanted(published)):
                 return published
-            params = self._read_params(published)
+            params = None
+            if early is not None and guess == Version.of(published) and all(
+                fill(view, value) for view, value in zip(early[1], replies[1:], strict=True)
+            ):
+                params = _native(published.specs, early[2])
+            if params is None:
+                params = self._read_params(published)
             if params is not None:
                 return dataclasses.replace(published, params=params)
             version = (published.run, published.step)
@@ -198,18 +249,30 @@ class _Job:
                 )
             missing = version
 
-    def _read_params(self, published: Published) -> dict[str, np.ndarray] | None:
-        """Every parameter of the published version, or None when a part of it is gone."""
-        params: dict[str, np.ndarray] = {}
-        for j, spec in enumerate(published.specs):
+    def _param_buffers(
+        self, run: str, step: int, specs: Sequence[ParamSpec]
+    ) -> tuple[list[str], list[memoryview], dict[str, np.ndarray]]:
+        """Every part key of the parameters published at (run, step), the buffer each part
+        is read into, and the (wire-dtype) arrays those buffers are views of."""
+        keys: list[str] = []
+        views: list[memoryview] = []
+        arrays: dict[str, np.ndarray] = {}
+        for j, spec in enumerate(specs):
             nbytes = nbytes_of(spec)
             wire = np.empty(spec.shape, wire_dtype(spec.dtype))
-            keys = self.keys.param_parts(published.run, published.step, j, nbytes)
             flat = wire.reshape(-1).view(np.uint8).data
-            if not read_parts_into(self.redis, self._io, keys, flat, "reading the parameters"):
-                return None
-            params[spec.name] = wire.astype(spec.dtype, copy=False)  # native order
-        return params
+            keys += self.keys.param_parts(run, step, j, nbytes)
+            views += [flat[a:b] for a, b in _chunks.part_ranges(nbytes)]
+            arrays[spec.name] = wire
+        return keys, views, arrays
+
+    def _read_params(self, published: Published) -> dict[str, np.ndarray] | None:
+        """Every parameter of the published version, or None when a part of it is gone. The
+        parts of all parameters share round trips (a window of bytes each)."""
+        keys, views, arrays = self._param_buffers(published.run, published.step, published.specs)
+        if not read_views_into(self.redis, self._io, keys, views, "reading the parameters"):
+            return None
+        return _native(published.specs, arrays)
 
     def stats(self) -> SyncStats:
         """Published step, push counters and every accumulator's statistics (one round trip

@@ -10,7 +10,7 @@ import socket
 import time
 import uuid
 from collections.abc import Mapping
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import redis
@@ -18,8 +18,12 @@ import redis
 from .. import _retry, _scripts
 from .._codec import scalar_int
 from .._connection import Client
+from .._dense import ConditionalAccumulator
 from .._errors import DeadlineExceededError
-from ._job import TrainingFinished, _Job
+from .._requests import Ops
+from .._sparse import SparseConditionalAccumulator
+from .._together import run_together
+from ._job import TrainingFinished, Version, _Job
 from ._published import Published
 from ._push import validated_push
 
@@ -27,6 +31,17 @@ logger = logging.getLogger("accumulator.sync")
 
 #: Longest sleep of a waiting worker between two looks at the published step.
 POLL_SLICE = 1.0
+
+
+def _apply_ops(
+    acc: ConditionalAccumulator | SparseConditionalAccumulator, prepared: tuple[Any, ...],
+    step: int,
+) -> Ops[bool]:  # fmt: skip
+    """One tensor's apply as a protocol step (``prepared``: from :func:`validated_push`)."""
+    if isinstance(acc, SparseConditionalAccumulator):
+        indices, values = prepared
+        return acc._apply_grad_ops(indices, values, None, step)
+    return acc._apply_grad_ops(prepared[0], step)
 
 
 class Worker(_Job):
@@ -105,26 +120,31 @@ class Worker(_Job):
         faults are ridden out for :attr:`retry_window` seconds.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
+
+        def wanted(published: Published) -> bool:
+            restarted = self._run is not None and published.run != self._run
+            if after is not None and not restarted and published.done:
+                return False  # finished: raised below, nothing to read
+            return after is None or restarted or published.step > after
+
+        # the version a steady worker pulls next: its parameters come with the first look
+        guess = None
+        if after is not None and self._run is not None and self._specs:
+            guess = Version(self._run, after + 1, tuple(self._specs))
         while True:
             if self._pubsub is None:
                 # Subscribe before the look: a publish after that look is then never missed.
                 self._subscribe()
-            run, step, done = self._io(
-                "reading the published step",
-                lambda: cast(
-                    "list[bytes | None]",
-                    self.redis.hmget(self.keys.params, ["run", "step", "done"]),
-                ),
-            )
-            if run is not None and step is not None:
-                restarted = self._run is not None and run.decode() != self._run
-                if after is not None and not restarted and done == b"1":
+            published = self._read_published(wanted=wanted, guess=guess)
+            if published is not None:
+                restarted = self._run is not None and published.run != self._run
+                if after is not None and not restarted and published.done:
                     # no gradient is wanted any more: a push would never be taken
-                    raise TrainingFinished(f"sync job {self.job!r} finished at step {int(step)}")
-                if after is None or restarted or int(step) > after:
-                    published = self._read_published()
-                    if published is not None:
-                        return self._adopt(published)
+                    raise TrainingFinished(
+                        f"sync job {self.job!r} finished at step {published.step}"
+                    )
+                if wanted(published):
+                    return self._adopt(published)
             wait = POLL_SLICE
             if deadline is not None:
                 wait = min(wait, deadline - time.monotonic())
@@ -190,22 +210,31 @@ class Worker(_Job):
                 "sync job %r: this push at step %d completes one that failed part-way (%s "
                 "already applied)", self.job, step, ", ".join(sorted(result)),
             )  # fmt: skip
-        for spec in self._specs:
-            if spec.name in result:
-                continue
-            acc = self._accs[spec.name]
-            try:
-                ok = acc.apply_grad(*prepared[spec.name], local_step=step)  # type: ignore[attr-defined]
-            except BaseException:
-                self._partial = (step, dict(result))
-                if result:
-                    logger.error(
-                        "sync job %r: push at step %d failed after applying %s; pushing again "
-                        "at step %d applies only the others", self.job, step,
-                        ", ".join(sorted(result)), step,
-                    )  # fmt: skip
-                raise
-            result[spec.name] = bool(ok)
+        # every tensor's apply at once: their script calls share round trips
+        todo = [spec for spec in self._specs if spec.name not in result]
+
+        def applied(i: int, outcome: tuple[bool, Any]) -> None:
+            if outcome[0]:
+                result[todo[i].name] = bool(outcome[1])
+
+        try:
+            outcomes = run_together([
+                (acc, _apply_ops(acc, prepared[spec.name], step))
+                for spec, acc in ((s, self._accs[s.name]) for s in todo)
+            ], applied)  # fmt: skip
+        except BaseException:  # interrupted: what is known to be applied is remembered
+            self._partial = (step, dict(result))
+            raise
+        failed = next((value for ok, value in outcomes if not ok), None)
+        if failed is not None:
+            self._partial = (step, dict(result))
+            if result:
+                logger.error(
+                    "sync job %r: push at step %d failed after applying %s; pushing again "
+                    "at step %d applies only the others", self.job, step,
+                    ", ".join(sorted(result)), step,
+                )  # fmt: skip
+            raise failed
         self._partial = None
         result = {name: result[name] for name in names}
         n_ok = sum(result.values())
