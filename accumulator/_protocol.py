@@ -470,10 +470,11 @@ def _finish(acc: AccumulatorModel, taker: str, claim_key: str, blob_keys: list[b
     durability = acc._durability()
     what = "take_grad (finishing)"
     acked = None
+    args = [taker, "1" if acc.spreads_parts else "0"]
     if durability is None:
-        ours = yield Call(what, "finish", keys, [taker], commit=True)
+        ours = yield Call(what, "finish", keys, args, commit=True)
     else:
-        finish = tuple(_scripts.evalsha_args("finish", keys, [taker]))
+        finish = tuple(_scripts.evalsha_args("finish", keys, args))
         replies = yield from _committed(what, [finish], durability, k.state)
         ours, acked = replies[0], replies.acked
     garbage: list[bytes] = []

@@ -3,7 +3,9 @@
 -- KEYS[1] state  KEYS[2] claim list of this taker  KEYS[3] claim registry hash
 -- KEYS[4] finished-takes zset  KEYS[5] orphans zset  KEYS[6..] the payload keys the claim
 -- named in this slot
--- ARGV[1] taker id
+-- ARGV[1] taker id  ARGV[2] '0' when the accumulator never spreads payloads (key schema 2):
+--         the claim's entries are then not looked at (a round of inline payloads would be
+--         read into Lua for nothing); '1' or absent (older clients): looked at
 -- Returns 1 if the round was this taker's to keep (also on a retry: the finished-takes zset
 -- remembers a finish for two minutes), 0 if its lease had run out and another taker
 -- took it over: the caller must not use the round then. A round with spread payloads (their
@@ -16,7 +18,10 @@
 local base, kerr = own_keys({'', ':cl', ':cd', ':o'})
 if not base then return kerr end
 local claim, me, done = KEYS[2], ARGV[1], KEYS[4]
-if claim ~= base .. ':c:' .. me or not is_own(base, claim, 'c') then return acc_error('BADARG finish') end
+if claim ~= base .. ':c:' .. me or not is_own(base, claim, 'c')
+    or not (ARGV[2] == nil or ARGV[2] == '0' or ARGV[2] == '1') then
+  return acc_error('BADARG finish')
+end
 for i = 6, #KEYS do
   if not (is_own(base, KEYS[i], 'b') or is_own(base, KEYS[i], 'p')) then return acc_error('BADKEY ' .. i) end
 end
@@ -35,8 +40,10 @@ redis.call('HDEL', KEYS[3], me)
 redis.call('ZADD', done, now, me)
 redis.call('ZREMRANGEBYSCORE', done, '-inf', '(' .. int_str(now - FINISH_MEMORY_MS))
 redis.call('PEXPIRE', done, FINISH_MEMORY_MS)
-local garbage = discard_spread(base, KEYS[5], redis.call('LRANGE', claim, 1, -1),
-  now + SWEEP_LEASE_MS)
+local garbage = {}
+if ARGV[2] ~= '0' then
+  garbage = discard_spread(base, KEYS[5], redis.call('LRANGE', claim, 1, -1), now + SWEEP_LEASE_MS)
+end
 local keys = {claim}
 for i = 6, #KEYS do keys[#keys + 1] = KEYS[i] end
 unlink_all(keys)

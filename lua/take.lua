@@ -133,6 +133,7 @@ end
 -- At the head (or alone) with enough gradients: check every entry before claiming.
 local quarantined = 0
 local nbytes = st.bytes
+local validated  -- the round's entries as checked, when none had to be quarantined
 if not queued and count >= n then
   local dims = 1
   for d in string.gmatch(st.rshape or '', '%d+') do dims = dims * tonumber(d) end
@@ -169,6 +170,7 @@ if not queued and count >= n then
     end
   end
   if #unchecked > 0 then return {2, unchecked, 0} end  -- nothing claimed: check, call again
+  if #bad == 0 then validated = entries end
   if #bad > 0 then
     for _, b in ipairs(bad) do
       discard_spread(base, KEYS[10], {b[3]}, now)  -- a sweeper deletes its parts
@@ -208,7 +210,14 @@ local header = redis.call('HGET', state, 'step') .. ' ' .. int_str(count) .. ' '
   ' ' .. gen .. ' ' .. (st.rshape and ('1 ' .. st.rshape) or '0 ')
 redis.call('RENAME', grads, claim)  -- count >= num_required >= 1: the list exists
 redis.call('LPUSH', claim, header)
-local entries = redis.call('LRANGE', claim, 0, -1)
+-- the claim is the header and the entries just checked (not read again: inline payloads
+-- would be made Lua strings twice); after a quarantine, what is left
+local entries = {header}
+if validated then
+  for i = 1, #validated do entries[i + 1] = validated[i] end  -- (unpack stops at ~8000)
+else
+  entries = redis.call('LRANGE', claim, 0, -1)
+end
 -- Kept, under a lease, until the taker has read and reduced it (finish.lua) or gives it back.
 redis.call('PERSIST', claim)
 redis.call('HSET', KEYS[9], me, claim_lease(nbytes))
