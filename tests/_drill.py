@@ -574,28 +574,27 @@ class Drill:
         return report
 
     def _drain(self, acc: accumulator.ConditionalAccumulator, logs: _Logs) -> None:
-        """Take what is left: the last round (fewer than the taker asked for), then any round
+        """Take what is left: the last round (fewer than the taker asked for), and any round
         a killed taker claimed and never returned (the library hands such a round to the next
-        taker once the claim's lease ran out; until it does, such rounds are lost)."""
+        taker once the claim's lease ran out; until it does, such rounds are lost). A take may
+        come back with such a round instead of the pending one (a claim whose lease ran out is
+        handed over first): then it goes on until nothing is pending and no claim is left."""
         c = self.config
-        left = acc.num_accumulated()
-        if left:
-            # a killed taker may still hold the head of the FIFO until its lease runs out
-            total = acc.take_grad(left, timeout=c.taker_lease + 30)
-            logs.takes.append(_take_record(total, left, 0.0) | {"by": "drain"})
         wait = (c.claim_lease if claim_lease_supported() else 0) + c.taker_lease + 10
         taken = {u for take in logs.takes for u in take["ids"]}
-        while True:
+        for _ in range(50):
+            left = acc.num_accumulated()
             claims = self._leftover_claims()
             orphaned = [u for u, (_, pid) in claims.items()
                         if pid in logs.killed_takers and u not in taken]  # fmt: skip
-            if not orphaned:
+            if not left and not orphaned:
                 return
             try:
-                total = acc.take_grad(1, timeout=wait)
+                # a killed taker may still hold the head of the FIFO until its lease runs out
+                total = acc.take_grad(left or 1, timeout=c.taker_lease + 30 if left else wait)
             except accumulator.DeadlineExceededError:
                 return
-            logs.takes.append(_take_record(total, 1, 0.0) | {"by": "drain"})
+            logs.takes.append(_take_record(total, left or 1, 0.0) | {"by": "drain"})
             taken |= set(logs.takes[-1]["ids"])
 
     # -- accounting --------------------------------------------------------------------------
