@@ -35,14 +35,21 @@ def per_node(client: Any, request: Batch, cluster: bool) -> list[Any]:
             pipe.execute_command(*command)
         whole = list(range(len(request.commands)))
         return join_by_node(request, [(whole, list(pipe.execute(raise_on_error=False)))])
-    parts = split_by_node(client, request)
+    # every node at once (each waits for its own replicas)
+    return join_by_node(request, on_nodes(client, split_by_node(client, request)))
+
+
+def on_nodes(
+    client: Any, parts: list[tuple[Any, list[int], Batch]]
+) -> list[tuple[list[int], list[Any]]]:
+    """Each ``(node, indices, batch)`` sent on its node (:func:`on_node`), every node at once
+    (one of them on this thread); ``(indices, replies)`` per node."""
     if len(parts) == 1:
         node, indices, sub = parts[0]
-        return join_by_node(request, [(indices, on_node(client, sub, node))])
-    # every node at once (each waits for its own replicas)
+        return [(indices, on_node(client, sub, node))]
     futures = [(indices, node_threads().submit(on_node, client, sub, node))
                for node, indices, sub in parts]  # fmt: skip
-    return join_by_node(request, [(indices, f.result()) for indices, f in futures])
+    return [(indices, f.result()) for indices, f in futures]
 
 
 _THREADS: tuple[int, ThreadPoolExecutor] | None = None  # (the pid that made them, them)
@@ -104,14 +111,8 @@ def by_node_batch(client: Any, request: Batch) -> list[Any]:
                                 raise_on_error=False, node_key=None))
         for node, indices in by_node(client, keys).values()
     ]  # fmt: skip
-    if len(parts) == 1:
-        done = [(parts[0][1], on_node(client, parts[0][2], parts[0][0]))]
-    else:
-        futures = [(indices, node_threads().submit(on_node, client, sub, node))
-                   for node, indices, sub in parts]  # fmt: skip
-        done = [(indices, f.result()) for indices, f in futures]
     out: list[Any] = [None] * len(request.commands)
-    for indices, replies in done:
+    for indices, replies in on_nodes(client, parts):
         for i, reply in zip(indices, replies, strict=True):
             out[i] = reply
     return raise_first_error(out) if request.raise_on_error else out
