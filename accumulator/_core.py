@@ -11,12 +11,12 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import redis
 from redis.client import PubSub
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, ResponseError
 
 from . import _protocol, _retry, _scripts
 from ._cluster_batch import by_node_batch, each, is_script, on_node, per_node
@@ -177,7 +177,10 @@ class AccumulatorBase(AccumulatorModel):
         if isinstance(request, Pop):
             # on a cluster, routed by key: close() cannot cut it, so short slices
             timeout = min(request.timeout, 0.5) if self._cluster else request.timeout
-            return self._wait(self._blpop, self._conns.blocking, request.key, timeout)
+            then: list[Any] = []  # the reply of request.then, when made here
+            waited = self._wait(self._blpop, self._conns.blocking, request.key, timeout,
+                                request.then, then)  # fmt: skip
+            return waited if request.then is None else (then[0] if then else None)
         if isinstance(request, Subscribe):
             queue = self._conns.blocking.pubsub(ignore_subscribe_messages=True)
             with self._waits_lock:
@@ -232,9 +235,14 @@ class AccumulatorBase(AccumulatorModel):
             self._waits.discard(queue)
         queue.close()
 
-    def _blpop(self, blocking: Any, key: str, timeout: float) -> None:
+    def _blpop(
+        self, blocking: Any, key: str, timeout: float, then: Call | None, out: list[Any]
+    ) -> None:
         """BLPOP on a connection this accumulator holds for the wait, so that close() from
-        another thread can break it (on a cluster, where the key routes it: in short slices)."""
+        another thread can break it (on a cluster, where the key routes it: in short slices).
+        ``then``, a script call, goes in the same round trip, behind the BLPOP: Redis runs
+        it as soon as the wait ends. Its reply is appended to ``out``; not when the script
+        was not loaded (the caller makes the call again, which loads it)."""
         if self._cluster:
             blocking.blpop([key], timeout)
             return
@@ -247,12 +255,23 @@ class AccumulatorBase(AccumulatorModel):
             # in-process: its connection cannot be cut from another thread; short slices
             # let close() end the wait instead
             timeout = min(timeout, 0.1)
+        commands: list[Sequence[Any]] = [("BLPOP", key, timeout)]
+        if then is not None:
+            commands.append(_scripts.evalsha_args(then.name, then.keys, then.args))
         with self._waits_lock:
             self._waits.add(conn)
         done = False
         try:
-            conn.send_command("BLPOP", key, timeout)
+            conn.send_packed_command(conn.pack_commands(commands))
             conn.read_response()
+            if then is not None:
+                try:
+                    out.append(conn.read_response())
+                except NoScriptError:
+                    pass
+                except ResponseError as exc:
+                    done = True  # the reply is read: the connection is clean
+                    raise _scripts.translate(exc) from exc
             done = True
         finally:
             with self._waits_lock:

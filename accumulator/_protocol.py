@@ -359,17 +359,21 @@ def take(
     checked: dict[bytes, bytes] = {}  # spread entries' lengths (or why unusable), as found
     deadline = None if seconds is None else time.monotonic() + seconds
     queue: Any = None  # a subscription, while queued behind another taker
+    reply: Any = None  # the take script's, when the driver made it right after a wait
     try:
         while True:
+            # (a round claimed right after a wait is given back by the cleanup below)
             if acc._closed:  # closed by another thread: never claim after close()
                 raise CancelledError("the accumulator was closed while waiting")
             if cancel is not None and cancel.is_set():
                 raise CancelledError("take_grad was cancelled (its cancel event is set)")
-            reply = yield take_call
+            if reply is None:
+                reply = yield take_call
             if int(reply[0]) == 2:  # spread entries to check before the script may claim
                 checked.update((yield from _check_spread(acc, reply[1])))
                 take_call = Call("take_grad", "take",
                                  *take_script_args(acc, taker, n, lease_ms, checked))  # fmt: skip
+                reply = None
                 continue
             if len(reply) > 2 and int(reply[2] or 0):
                 logger.warning(
@@ -396,13 +400,15 @@ def take(
                     message = yield from _timeout_message(acc, n, seconds or 0.0)
                     raise DeadlineExceededError(message)
             # Wake-ups are hints: the take script re-checks after every one.
-            if int(reply[1]) == 1:
+            at_head, reply = int(reply[1]) == 1, None
+            if at_head:
                 # At the head: one persistent token on a list, pushed by the apply that
-                # makes the round big enough (only the head consumes it).
+                # makes the round big enough (only the head consumes it). The re-check may
+                # ride behind the wait: one round trip from the wake-up to the claim.
                 if queue is not None:
                     yield Unsubscribe(queue)
                     queue = None
-                yield Pop(k.wake, max(wait, 0.001))
+                reply = yield Pop(k.wake, max(wait, 0.001), then=take_call)
             elif queue is None:
                 # Queued: a head change is broadcast. Subscribe, then re-check at once,
                 # so that a change between the check and the subscription is not missed.

@@ -74,10 +74,16 @@ class Receive:
 class Pop:
     """Wait up to ``timeout`` seconds on a wake list (BLPOP). ``True``, or ``False`` when the
     wait's connection failed (the protocol re-checks; the driver paused briefly first). The
-    driver raises ``CancelledError`` when the accumulator was closed meanwhile."""
+    driver raises ``CancelledError`` when the accumulator was closed meanwhile.
+
+    ``then``: a script call to make as soon as the wait ends, whatever ended it. A driver may
+    send it behind the BLPOP in the same round trip (Redis runs it the moment the wait ends);
+    the reply is then that call's reply, or ``None`` when the driver did not make it (the
+    protocol makes it itself), so ``then`` must be safe to send twice."""
 
     key: str
     timeout: float
+    then: Call | None = None
 
 
 @dataclass(frozen=True)

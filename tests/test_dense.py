@@ -234,6 +234,38 @@ def test_take_wakes_promptly_on_apply(target):
     np.testing.assert_array_equal(result[0], np.ones(SMALL))
 
 
+
+def test_a_woken_take_claims_in_the_round_trip_of_its_wait(real, monkeypatch):
+    """The take script rides behind the BLPOP: a take that waits costs its first check, the
+    wait (with the re-check the wake-up starts), and the finish. Counted on the taker's
+    thread only (a cluster routes its waits by key and re-checks apart: one more)."""
+    acc, other = make(real), make(real)
+    original = redis.connection.AbstractConnection.send_packed_command
+    sends: list[int] = []
+
+    def send(self, *args, **kwargs):
+        if threading.get_ident() == taker_thread[0]:
+            sends.append(1)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(redis.connection.AbstractConnection, "send_packed_command", send)
+    taker_thread = [0]
+    for step in range(2):  # the first round opens the taker's connections
+        result: list[np.ndarray] = []
+
+        def take() -> None:
+            taker_thread[0] = threading.get_ident()
+            result.append(acc.take_grad(1, timeout=10))
+
+        sends.clear()
+        waiter = threading.Thread(target=take)
+        waiter.start()
+        time.sleep(0.3)  # queued and waiting (a wait slice lasts seconds)
+        other.apply_grad(np.full(SMALL, step, np.float32), local_step=step)
+        waiter.join(10)
+        np.testing.assert_array_equal(result[0], np.full(SMALL, step, np.float32))
+    assert len(sends) == (4 if real.kind == "cluster" else 3)
+
 @pytest.mark.parametrize("shape", [SMALL, LARGE], ids=["inline", "blob"])
 def test_nothing_left_behind_after_takes(target, shape):
     acc = make(target, shape=shape)

@@ -6,14 +6,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
 import redis
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, ResponseError
 
 from .. import _retry, _scripts
 from .._connection import join_by_node, moved_error, raise_first_error, split_by_node
@@ -259,11 +259,14 @@ class AccumulatorBase(AccumulatorModel):
         if isinstance(request, Receive):
             return None  # no zero-copy receive here: the protocol reads the ordinary way
         if isinstance(request, Pop):
+            then: list[Any] = []  # the reply of request.then, when made here
             if is_cluster(conns.blocking):  # routed by key; short slices keep it closable
                 blocking, key, seconds = conns.blocking, request.key, min(request.timeout, 0.5)
-                return await self._wait(lambda: blocking.blpop([key], seconds))
-            return await self._wait(lambda: self._blpop(conns.blocking, request.key,
-                                                        request.timeout))  # fmt: skip
+                waited = await self._wait(lambda: blocking.blpop([key], seconds))
+            else:
+                waited = await self._wait(lambda: self._blpop(
+                    conns.blocking, request.key, request.timeout, request.then, then))  # fmt: skip
+            return waited if request.then is None else (then[0] if then else None)
         if isinstance(request, Subscribe):
             blocking = conns.blocking
             # a cluster's pub/sub routes by the slot map without loading it first (redis-py
@@ -323,9 +326,14 @@ class AccumulatorBase(AccumulatorModel):
         except Exception:  # noqa: BLE001 - its connection may be gone already
             logger.debug("closing a subscription of %s failed", self._keys.base, exc_info=True)
 
-    async def _blpop(self, blocking: aioredis.Redis, key: str, timeout: float) -> None:
+    async def _blpop(
+        self, blocking: aioredis.Redis, key: str, timeout: float, then: Call | None,
+        out: list[Any],
+    ) -> None:  # fmt: skip
         """BLPOP on a connection this accumulator holds for the wait, so that ``aclose()``
-        from another task can break it."""
+        from another task can break it. ``then``, a script call, goes in the same round trip,
+        behind the BLPOP (the sync driver's twin: ``accumulator._core``); its reply is
+        appended to ``out``, unless the script was not loaded."""
         pool = blocking.connection_pool
         try:
             conn = await pool.get_connection()
@@ -345,11 +353,22 @@ class AccumulatorBase(AccumulatorModel):
             if popped[0] is None:
                 await asyncio.sleep(min(timeout, 0.05))
             return
+        commands: list[Sequence[Any]] = [("BLPOP", key, timeout)]
+        if then is not None:
+            commands.append(_scripts.evalsha_args(then.name, then.keys, then.args))
         self._waits.add(conn)
         done = False
         try:
-            await conn.send_command("BLPOP", key, timeout)
+            await conn.send_packed_command(conn.pack_commands(commands))
             await conn.read_response()
+            if then is not None:
+                try:
+                    out.append(await conn.read_response())
+                except NoScriptError:
+                    pass
+                except ResponseError as exc:
+                    done = True  # the reply is read: the connection is clean
+                    raise _scripts.translate(exc) from exc
             done = True
         finally:
             self._waits.discard(conn)
