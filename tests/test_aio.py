@@ -139,6 +139,37 @@ def test_a_cancelled_waiting_take_withdraws_and_the_next_take_gets_the_round(tar
     run(main)
 
 
+def test_a_woken_take_claims_in_the_round_trip_of_its_wait(real, monkeypatch):
+    """As the sync driver's: the take script rides behind the BLPOP (first check, wait with
+    the re-check, finish); the applies come from a sync object on another thread, whose
+    sends are not the asyncio connections'. A cluster re-checks apart: one more."""
+    import redis.asyncio.connection as aconnection
+
+    sends: list[int] = []
+    original = aconnection.AbstractConnection.send_packed_command
+
+    async def send(self: Any, *args: Any, **kwargs: Any) -> Any:
+        sends.append(1)
+        return await original(self, *args, **kwargs)
+
+    monkeypatch.setattr(aconnection.AbstractConnection, "send_packed_command", send)
+    other = accumulator.ConditionalAccumulator(np.float32, (3,), shared_name="aio",
+                                               client=real.client())  # fmt: skip
+
+    async def main() -> None:
+        async with dense(real) as acc:
+            for step in range(2):  # the first round opens the taker's connections
+                sends.clear()
+                waiting = asyncio.create_task(acc.take_grad(1, timeout=10))
+                await asyncio.sleep(0.3)
+                await asyncio.to_thread(other.apply_grad, np.full(3, step), step)
+                np.testing.assert_array_equal(await waiting, np.full(3, step, np.float32))
+            assert len(sends) == (4 if real.kind == "cluster" else 3)
+
+    run(main)
+    other.close()
+
+
 def _cancel_at(acc: Any, match: Callable[[Any], bool], *, started: bool = False) -> None:
     """Cancel the task running ``acc``'s protocol at a matching request: before it is sent,
     or (``started``) once it is on its way."""

@@ -253,7 +253,7 @@ def test_a_woken_take_claims_in_the_round_trip_of_its_wait(real, monkeypatch):
     for step in range(2):  # the first round opens the taker's connections
         result: list[np.ndarray] = []
 
-        def take() -> None:
+        def take(result: list[np.ndarray] = result) -> None:
             taker_thread[0] = threading.get_ident()
             result.append(acc.take_grad(1, timeout=10))
 
