@@ -1,16 +1,53 @@
 -- sync_lease: the chief lease of a sync job (accumulator.sync): one chief per job.
 -- KEYS[1] lease hash (accsync:{tag}:chief: id, host, pid, since_ms, renewed_ms, expires_ms)
 -- ARGV[1] 'acquire' (also renews) | 'renew' (only a lease this chief holds: a deleted job's
---         lease is not brought back) | 'release'  ARGV[2] chief id  ARGV[3] lease ms
--- ARGV[4] host  ARGV[5] pid  ARGV[6] ms the record of an expired lease is kept (for
---         `accumulator job`)
+--         lease is not brought back) | 'release' | 'publish'  ARGV[2] chief id
+-- ARGV[3] lease ms  ARGV[4] host  ARGV[5] pid  ARGV[6] ms the record of an expired lease is
+--         kept (for `accumulator job`)
 -- acquire: {1, id of an expired holder taken over or ''} or, when another chief's lease runs,
 -- {0, id, host, pid, ms left, ms since its last renewal}.
 -- release: {1} when the lease was this chief's (deleted), else {0}.
+-- publish: acquire, then, only when the lease is this chief's, switch the job to the new
+-- version of its parameters, in the same atomic step (fenced: no chief ever publishes over
+-- another). KEYS[2] the published hash (accsync:{tag}:p)  KEYS[3 .. 2+n] the new version's
+-- part keys, written before this call (deleted when the lease is another's, unless the
+-- hash names them already)  KEYS[3+n ..] the previous version's part keys (they expire after ARGV[10] ms)
+-- ARGV[7] n  ARGV[8] channel to announce the step on ('': the client does, after this call)
+-- ARGV[9] the announcement  ARGV[10] ms  ARGV[11 ..] field, value pairs of the published hash.
+-- The reply is acquire's.
+local mode = ARGV[1]
+local publish = mode == 'publish'
+if publish then
+  local base = string.match(KEYS[1], '^(.*):chief$')
+  local n = tonumber(ARGV[7] or '')
+  if not (base and KEYS[2] == base .. ':p' and is_count(ARGV[3]) and is_count(ARGV[6])
+      and is_count(ARGV[7] or '') and is_count(ARGV[10] or '') and n + 2 <= #KEYS
+      and #ARGV > 10 and (#ARGV - 10) % 2 == 0
+      and (ARGV[8] == '' or ARGV[8] == base .. ':ch')) then
+    return acc_error('BADARG sync_lease publish')
+  end
+  local head = base .. ':v:'
+  for i = 3, #KEYS do
+    if string.sub(KEYS[i], 1, #head) ~= head then return acc_error('BADKEY ' .. i) end
+  end
+  local checks = {{'HMGET', KEYS[1]}, {'HSET', KEYS[1]}, {'DEL', KEYS[1]}, {'HMGET', KEYS[2]},
+    {'PEXPIRE', KEYS[1]}, {'HSET', KEYS[2]}, {'UNLINK', head .. '0'}, {'PEXPIRE', head .. '0'}}
+  if ARGV[8] ~= '' then checks[#checks + 1] = {'PUBLISH', ARGV[8]} end
+  local err = check_acl(checks)
+  if err then return err end
+end
+-- Whether the published hash names the version this call publishes already (a retry whose
+-- first reply was lost): its parts are then being read, never deleted.
+local function published_here()
+  local want = {}
+  for i = 11, #ARGV - 1, 2 do want[ARGV[i]] = ARGV[i + 1] end
+  local have = redis.call('HMGET', KEYS[2], 'run', 'step')
+  return have[1] == want.run and have[2] == want.step
+end
 local now = now_ms()
 local cur = redis.call('HMGET', KEYS[1], 'id', 'expires_ms', 'host', 'pid', 'renewed_ms')
 local holder = cur[1]
-if ARGV[1] == 'release' then
+if mode == 'release' then
   if holder == ARGV[2] then
     redis.call('DEL', KEYS[1])
     return {1}
@@ -18,12 +55,16 @@ if ARGV[1] == 'release' then
   return {0}
 end
 local expires = tonumber(cur[2] or '') or 0
-if ARGV[1] == 'renew' and holder ~= ARGV[2] then
+if mode == 'renew' and holder ~= ARGV[2] then
   if not holder then return {0, '', '', '', '0', '0'} end
-elseif ARGV[1] ~= 'acquire' and ARGV[1] ~= 'renew' then
+elseif mode ~= 'acquire' and mode ~= 'renew' and not publish then
   return acc_error('BADARG sync_lease')
 end
 if holder and holder ~= ARGV[2] and expires > now then
+  if publish and not published_here() then
+    local n = tonumber(ARGV[7])
+    for i = 3, 2 + n, 1000 do redis.call('UNLINK', unpack(KEYS, i, math.min(i + 999, 2 + n))) end
+  end
   local renewed = tonumber(cur[5] or '') or now
   return {0, holder, cur[3] or '', cur[4] or '', int_str(expires - now), int_str(now - renewed)}
 end
@@ -37,4 +78,11 @@ end
 redis.call('HSET', KEYS[1], 'renewed_ms', int_str(now),
            'expires_ms', int_str(now + tonumber(ARGV[3])))
 redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[3]) + tonumber(ARGV[6]))
+if publish then
+  local fields = {}
+  for i = 11, #ARGV do fields[#fields + 1] = ARGV[i] end
+  redis.call('HSET', KEYS[2], unpack(fields))
+  for i = 3 + tonumber(ARGV[7]), #KEYS do redis.call('PEXPIRE', KEYS[i], ARGV[10]) end
+  if ARGV[8] ~= '' then redis.call('PUBLISH', ARGV[8], ARGV[9]) end
+end
 return {1, previous}

@@ -396,3 +396,43 @@ def test_keys_helper_recognises_only_own_blob_keys():
     for bad_entry in (b"p0 " + blob, b"p01 " + blob, b"p2 prod:secret", b"p2 " + blob + b":1",
                       b"p2" + blob, b"p99999999 " + blob, b"k" + blob + b":1", b"zz"):  # fmt: skip
         assert k.entry_keys(bad_entry) is None, bad_entry
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["params key", "foreign part", "part count", "channel", "odd fields", "no fields",
+     "lease ms"],
+)  # fmt: skip
+def test_the_fenced_publish_refuses_garbage_before_any_write(target, case):
+    """The sync chief's publish (``lua/sync_lease.lua``, mode ``publish``) touches only its
+    job's keys and checks its input before writing anything."""
+    from accumulator._keys import SyncKeys
+
+    k = SyncKeys("", "garbage")
+    lease, part = k.base + ":chief", k.param_parts("r", 1, 0, 8)[0]
+    keys = [lease, k.params, part]
+    args: list[object] = ["publish", "me", 10000, "h", 1, 60000, 1, k.channel, "1", 60000,
+                          "run", "r", "step", "1"]  # fmt: skip
+    if case == "params key":
+        keys[1] = k.stats
+    elif case == "foreign part":
+        keys[2] = SyncKeys("", "other").param_parts("r", 1, 0, 8)[0]
+    elif case == "part count":
+        args[6] = 2
+    elif case == "channel":
+        args[7] = "elsewhere"
+    elif case == "odd fields":
+        args.append("done")
+    elif case == "no fields":
+        del args[10:]
+    else:
+        args[2] = "-1"
+    r = target.redis()
+    r.set(part, b"12345678")
+    before = snapshot(r)
+    refused: Any = accumulator.InvalidArgumentError
+    if target.kind == "cluster" and case == "foreign part":  # another slot: refused first
+        refused = (redis.exceptions.RedisClusterException, redis.ResponseError)
+    with pytest.raises(refused, match="BADARG|BADKEY|same key slot|CROSSSLOT"):
+        _scripts.call(r, "sync_lease", keys, args)
+    assert snapshot(r) == before

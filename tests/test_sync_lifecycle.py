@@ -208,6 +208,41 @@ def test_a_chief_that_lost_its_lease_never_publishes(target):
     assert target.redis().hget(key, "id") == b"usurper"  # close() released nothing of theirs
 
 
+@pytest.mark.parametrize("big", [False, True], ids=["small", "parts-first"])
+def test_a_lease_taken_over_during_the_update_fences_the_publish(target, big):
+    """The lease is checked by the publish itself, atomically: a takeover after the step's
+    takes (here: while the update runs) leaves the published step, its parameters and no
+    part of the refused version behind. ``parts-first``: over a chunk of parameters, so
+    the new version's parts are written before the switch, not in its MULTI."""
+    params = _params()
+    if big:
+        params["w"] = np.linspace(-1.0, 1.0, 400 * 400).reshape(400, 400)  # 1.28 MB
+    ps = ParameterServer("fence", replicas_to_aggregate=1, sparse={"emb"}, client=target.client())
+    ps.initialize(params)
+    worker = Worker("fence", client=target.client())
+    step, before = worker.pull(timeout=5)
+    worker.push(step, _grad(params, step, 0))
+    key = chief_key(SyncKeys("", "fence"))
+    r = target.redis()
+    versions = sorted(r.scan_iter(match=SyncKeys("", "fence").versions_pattern))
+
+    def usurp(params: dict, grads: dict, step: int) -> None:
+        far = int(time.time() * 1000) + 60_000
+        r.hset(key, mapping={"id": "usurper", "host": "h", "pid": "1",
+                             "renewed_ms": far - 60_000, "expires_ms": far})  # fmt: skip
+
+    with pytest.raises(ChiefConflictError, match="usurper"):
+        ps.step(usurp, timeout=5)
+    got_step, got = worker.pull(timeout=5)
+    assert got_step == 0  # nothing was published
+    for name in before:
+        np.testing.assert_array_equal(got[name], before[name])
+    assert sorted(r.scan_iter(match=SyncKeys("", "fence").versions_pattern)) == versions
+    assert r.hget(key, "id") == b"usurper"
+    worker.close()
+    ps.close()
+
+
 def _crashing_chief(url: str, job: str, chief_id: str, ready: str) -> None:
     ps = ParameterServer(job, replicas_to_aggregate=1, client=url, chief_id=chief_id,
                          chief_lease=1.5)  # fmt: skip

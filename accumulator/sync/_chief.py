@@ -13,8 +13,9 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
+from redis.exceptions import NoScriptError, ResponseError
 
-from .. import _admin, _chunks, _retry
+from .. import _admin, _chunks, _retry, _scripts
 from .._connection import Client, is_cluster
 from .._errors import DeadlineExceededError, NotFoundError
 from .._keys import Keys, is_done_mark
@@ -307,36 +308,56 @@ class ParameterServer(_Job):
         previous = self._published_version
         old_keys = [] if previous in (None, (run, step)) else self._version_keys(*previous)
 
-        # Small parameters (a chunk in all) go in the MULTI that switches the hash: one round
-        # trip, and a part refused (maxmemory) aborts the whole publish.
+        # The switch is the lease script's ``publish``: the lease renewed and, only while this
+        # chief holds it, the hash switched to the new version, in one atomic step (no chief
+        # ever publishes over another, not even one that took over a moment ago).
+        cluster = is_cluster(self.redis)
+        new_keys = [key for keys, _ in parts for key in keys]
+        lease_keys, lease_args = self._lease.publish_call(
+            self.keys.params, new_keys, old_keys, "" if cluster else self.keys.channel,
+            str(self._step), _OLD_VERSION_MS, mapping,
+        )  # fmt: skip
+        # Small parameters (a chunk in all) go in the MULTI of the switch: one round trip,
+        # and a part refused (maxmemory) aborts the whole publish.
         small = sum(data.nbytes for _, data in parts) <= _chunks.CHUNK_BYTES
 
-        def publish() -> None:
-            # The new version's parts first (one chunk per command), then one MULTI switches
-            # the hash to it: readers see either the old step and parameters or the new ones.
-            # The previous version stays readable for a minute (a reader may be in the middle
-            # of it). Sent again after a fault, it writes the same values.
+        def switch(script: list[Any]) -> list[Any]:
+            pipe = self.redis.pipeline(transaction=True)
+            if small:
+                for keys, data in parts:
+                    write_parts(pipe, keys, data)
+            pipe.execute_command(*script)
+            try:
+                return list(pipe.execute()[-1])
+            except NoScriptError:
+                raise
+            except ResponseError as exc:
+                error = _scripts.translate(exc)
+                if error is exc:
+                    raise
+                raise error from exc
+
+        def publish() -> list[Any]:
+            # The new version's parts first (one chunk per command), then the switch: readers
+            # see either the old step and parameters or the new ones. The previous version
+            # stays readable for a minute (a reader may be in the middle of it). Sent again
+            # after a fault, it writes the same values.
             if not small:
                 pipe = self.redis.pipeline(transaction=False)
                 for keys, data in parts:
                     write_parts(pipe, keys, data)
                 pipe.execute()
-            cluster = is_cluster(self.redis)
-            pipe = self.redis.pipeline(transaction=True)
-            if small:
-                for keys, data in parts:
-                    write_parts(pipe, keys, data)
-            pipe.hset(self.keys.params, mapping=mapping)
-            if not cluster:
-                pipe.publish(self.keys.channel, str(self._step))
-            for i in range(0, len(old_keys), 500):
-                for key in old_keys[i : i + 500]:
-                    pipe.pexpire(key, _OLD_VERSION_MS)
-            pipe.execute()
-            if cluster:  # a cluster transaction carries no PUBLISH: the hint follows it
+            try:
+                reply = switch(_scripts.evalsha_args("sync_lease", lease_keys, lease_args))
+            except NoScriptError:  # not loaded (a restarted server): the source itself
+                reply = switch(["EVAL", _scripts.source("sync_lease"), len(lease_keys),
+                                *lease_keys, *lease_args])  # fmt: skip
+            if cluster and int(reply[0]) == 1:
+                # a cluster transaction carries no PUBLISH: the hint follows it
                 self.redis.publish(self.keys.channel, str(self._step))
+            return reply
 
-        self._io("publishing", publish)
+        self._lease.settle(self._io("publishing", publish))
         self._published_version = (run, step)
 
     def _version_keys(self, run: str, step: int) -> list[str]:
@@ -395,7 +416,7 @@ class ParameterServer(_Job):
                 ) from exc
         if failures:
             raise failures[0][1]
-        self._lease.check(renew=True)  # never publish over another chief
+        self._lease.check(renew=False)  # the publish renews it and is fenced by it
         grads, self._taken = self._taken, {}
         self._params = apply_update(update, self._specs, self._params, grads, self._step)
         self._step += 1
@@ -411,7 +432,7 @@ class ParameterServer(_Job):
             raise RuntimeError("call initialize() first")
         if self._done:
             return
-        self._lease.check(renew=True)
+        self._lease.check(renew=False)
         self._publish(done=True)
         self._done = True
 

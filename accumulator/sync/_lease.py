@@ -8,6 +8,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import redis
@@ -72,10 +73,25 @@ class _ChiefLease:
         #: Set (to the reason) when another chief took the lease over: this chief must stop.
         self.lost: str | None = None
 
-    def _call(self, mode: str) -> list[Any]:
-        args = [mode, self.chief_id, max(1, int(self.seconds * 1000)), self._host, self._pid,
+    def _args(self, mode: str) -> list[Any]:
+        return [mode, self.chief_id, max(1, int(self.seconds * 1000)), self._host, self._pid,
                 _LEASE_RECORD_MS]  # fmt: skip
-        return list(_scripts.call(self._client, "sync_lease", [self.key], args))
+
+    def _call(self, mode: str) -> list[Any]:
+        return list(_scripts.call(self._client, "sync_lease", [self.key], self._args(mode)))
+
+    def publish_call(
+        self, published: str, new_keys: list[str], old_keys: list[str], channel: str,
+        message: str, old_expire_ms: int, fields: Mapping[Any, Any],
+    ) -> tuple[list[str], list[Any]]:  # fmt: skip
+        """KEYS and ARGV of the lease script's ``publish``: the lease renewed and, only if
+        this chief holds it, the published hash switched to the new version, in one atomic
+        step (see ``lua/sync_lease.lua``); its reply goes to :meth:`settle`."""
+        keys = [self.key, published, *new_keys, *old_keys]
+        args = [*self._args("publish"), len(new_keys), channel, message, old_expire_ms]
+        for name, value in fields.items():
+            args += [name, value]
+        return keys, args
 
     def _conflict(self, reply: list[Any]) -> ChiefConflictError:
         holder, host, pid = _text(reply[1]), _text(reply[2]), _text(reply[3])
@@ -125,10 +141,14 @@ class _ChiefLease:
             raise ChiefConflictError(self.lost, job=self.job)
         if not renew:
             return
-        reply = _retry.call(
+        self.settle(_retry.call(
             lambda: self._call("acquire"), f"sync job {self.job!r}: chief lease",
             window=self.window,
-        )  # fmt: skip
+        ))  # fmt: skip
+
+    def settle(self, reply: list[Any]) -> None:
+        """Raise :class:`ChiefConflictError` (and stop renewing) when the reply of an
+        ``acquire`` or a ``publish`` says another chief holds the lease."""
         if int(reply[0]) != 1:
             conflict = self._conflict(reply)
             self.lost = f"this chief lost its lease: {conflict}"
