@@ -254,6 +254,33 @@ def test_extra_args_are_applied(binary: str) -> None:
         assert srv.client().config_get("maxmemory") == {"maxmemory": str(10 * 1024 * 1024)}
 
 
+def _jemalloc_option(srv: RedisServer, name: str) -> str | None:
+    """An option as the server's jemalloc reports it (None: not jemalloc, or not shown)."""
+    text = srv.client().execute_command("MEMORY", "MALLOC-STATS")
+    text = text.decode() if isinstance(text, bytes) else str(text)
+    for line in text.splitlines():
+        if line.strip().startswith(f"opt.{name}:"):
+            return line.split(":", 1)[1].split()[0]
+    return None
+
+
+@pytest.mark.real
+def test_freed_memory_stays_mapped_unless_the_environment_says_otherwise(
+    binary: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in ("MALLOC_CONF", "JE_MALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
+    with RedisServer(binary) as srv:
+        got = _jemalloc_option(srv, "muzzy_decay_ms")
+        if got is None:
+            pytest.skip("this redis-server does not report jemalloc's options")
+        assert got == "-1"
+    monkeypatch.setenv("MALLOC_CONF", "muzzy_decay_ms:5000")
+    monkeypatch.setenv("JE_MALLOC_CONF", "muzzy_decay_ms:5000")
+    with RedisServer(binary) as srv:
+        assert _jemalloc_option(srv, "muzzy_decay_ms") == "5000"
+
+
 @pytest.mark.real
 def test_atexit_stops_forgotten_server(binary: str, tmp_path: Path) -> None:
     # A child interpreter starts a server and exits without stopping it.
