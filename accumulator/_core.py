@@ -11,7 +11,7 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import redis
@@ -255,14 +255,11 @@ class AccumulatorBase(AccumulatorModel):
             # in-process: its connection cannot be cut from another thread; short slices
             # let close() end the wait instead
             timeout = min(timeout, 0.1)
-        commands: list[Sequence[Any]] = [("BLPOP", key, timeout)]
-        if then is not None:
-            commands.append(_scripts.evalsha_args(then.name, then.keys, then.args))
         with self._waits_lock:
             self._waits.add(conn)
         done = False
         try:
-            conn.send_packed_command(conn.pack_commands(commands))
+            conn.send_packed_command(conn.pack_commands(_scripts.pop_commands(key, timeout, then)))
             conn.read_response()
             if then is not None:
                 try:

@@ -28,7 +28,7 @@ from ._errors import (
     UnavailableError,
 )
 from ._keys import SCHEMAS
-from ._requests import advance
+from ._requests import Call, advance
 
 logger = logging.getLogger("accumulator")
 
@@ -62,6 +62,15 @@ def sha(name: str) -> str:
 def evalsha_args(name: str, keys: Sequence[str | bytes], args: Sequence[Any]) -> list[Any]:
     """The EVALSHA command, for use in a pipeline (``pipe.execute_command(*...)``)."""
     return ["EVALSHA", sha(name), len(keys), *keys, *args]
+
+
+def pop_commands(key: str, timeout: float, then: Call | None) -> list[Sequence[Any]]:
+    """A wait's commands, sent at once (see :class:`~accumulator._requests.Pop`): the BLPOP
+    and, behind it, the EVALSHA of ``then``, which Redis runs the moment the wait ends."""
+    commands: list[Sequence[Any]] = [("BLPOP", key, timeout)]
+    if then is not None:
+        commands.append(evalsha_args(then.name, then.keys, then.args))
+    return commands
 
 
 def steps(name: str, keys: Sequence[str | bytes], args: Sequence[Any]) -> Generator[

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -353,12 +353,10 @@ class AccumulatorBase(AccumulatorModel):
             if popped[0] is None:
                 await asyncio.sleep(min(timeout, 0.05))
             return
-        commands: list[Sequence[Any]] = [("BLPOP", key, timeout)]
-        if then is not None:
-            commands.append(_scripts.evalsha_args(then.name, then.keys, then.args))
         self._waits.add(conn)
         done = False
         try:
+            commands = _scripts.pop_commands(key, timeout, then)
             await conn.send_packed_command(conn.pack_commands(commands))
             await conn.read_response()
             if then is not None:
