@@ -221,7 +221,25 @@ class Bench:
 
     def server_info(self) -> dict[str, Any]:
         info = self.r_default.info("server")
-        return {k: info.get(k) for k in ("redis_version", "os", "arch_bits", "process_id")}
+        out = {k: info.get(k) for k in ("redis_version", "os", "arch_bits", "process_id")}
+        out["jemalloc"] = self.jemalloc_options()
+        return out
+
+    def jemalloc_options(self) -> str | None:
+        """The server's jemalloc decay settings (``dirty_decay_ms=... muzzy_decay_ms=...``;
+        they decide whether freed memory is faulted in again: README, "Performance"), or None
+        where the server does not say (another allocator, MEMORY not allowed)."""
+        try:
+            text = self.r_default.execute_command("MEMORY", "MALLOC-STATS")
+        except redis.RedisError:
+            return None
+        text = text.decode() if isinstance(text, bytes) else str(text)
+        found = []
+        for line in text.splitlines():
+            name, _, value = line.strip().partition(":")
+            if name in ("opt.dirty_decay_ms", "opt.muzzy_decay_ms") and value.split():
+                found.append(f"{name[4:]}={value.split()[0]}")
+        return " ".join(found) or None
 
     def log(self, msg: str) -> None:
         if self.verbose:
@@ -475,7 +493,7 @@ def render(rows: list[Row], meta: dict[str, Any]) -> str:
         f"redis-accumulator {meta['accumulator']} benchmark:"
         f" redis {meta['server']['redis_version']} at {meta['url']}, redis-py {meta['redis_py']}"
         f" (hiredis {meta['hiredis'] or 'absent'}), numpy {meta['numpy']},"
-        f" python {meta['python']}",
+        f" python {meta['python']}; jemalloc {meta['server'].get('jemalloc') or 'unknown'}",
         f"PING round trip: {meta['ping_ms']['median']:.3f} ms median "
         f"(p25 {meta['ping_ms']['p25']:.3f}, p75 {meta['ping_ms']['p75']:.3f}, "
         f"n={meta['ping_ms']['n']})",
