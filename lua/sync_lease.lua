@@ -11,7 +11,8 @@
 -- version of its parameters, in the same atomic step (fenced: no chief ever publishes over
 -- another). KEYS[2] the published hash (accsync:{tag}:p)  KEYS[3 .. 2+n] the new version's
 -- part keys, written before this call (deleted when the lease is another's, unless the
--- hash names them already)  KEYS[3+n ..] the previous version's part keys (they expire after ARGV[10] ms)
+-- hash names them already)  KEYS[3+n ..] the previous version's part keys (they expire
+-- after ARGV[10] ms)
 -- ARGV[7] n  ARGV[8] channel to announce the step on ('': the client does, after this call)
 -- ARGV[9] the announcement  ARGV[10] ms  ARGV[11 ..] field, value pairs of the published hash.
 -- The reply is acquire's.
