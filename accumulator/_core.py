@@ -20,7 +20,7 @@ from redis.exceptions import NoScriptError, ResponseError
 
 from . import _protocol, _retry, _scripts
 from ._cluster_batch import by_node_batch, each, is_script, on_node, per_node
-from ._connection import Client, Connections, connect, is_cluster
+from ._connection import Client, Connections, connect, is_cluster, is_redirect
 from ._errors import CancelledError
 from ._keys import SCHEMA_VERSION, Keys
 from ._model import AccumulatorModel, server_of
@@ -175,7 +175,7 @@ class AccumulatorBase(AccumulatorModel):
             return self._io(request.what,
                             lambda: get_into(commands, request.keys, request.outs))  # fmt: skip
         if isinstance(request, Pop):
-            # on a cluster, routed by key: close() cannot cut it, so short slices
+            # on a cluster, short slices: a wait on a node the slot has left ends soon
             timeout = min(request.timeout, 0.5) if self._cluster else request.timeout
             then: list[Any] = []  # the reply of request.then, when made here
             waited = self._wait(self._blpop, self._conns.blocking, request.key, timeout,
@@ -239,14 +239,14 @@ class AccumulatorBase(AccumulatorModel):
         self, blocking: Any, key: str, timeout: float, then: Call | None, out: list[Any]
     ) -> None:
         """BLPOP on a connection this accumulator holds for the wait, so that close() from
-        another thread can break it (on a cluster, where the key routes it: in short slices).
+        another thread can break it (on a cluster: a connection to the node serving the key).
         ``then``, a script call, goes in the same round trip, behind the BLPOP: Redis runs
         it as soon as the wait ends. Its reply is appended to ``out``; not when the script
         was not loaded (the caller makes the call again, which loads it)."""
         if self._cluster:
-            blocking.blpop([key], timeout)
-            return
-        pool = blocking.connection_pool
+            pool = blocking.get_redis_connection(blocking.get_node_from_key(key)).connection_pool
+        else:
+            pool = blocking.connection_pool
         try:
             conn = pool.get_connection()
         except TypeError:  # redis-py before 5.3 wants the command name
@@ -260,7 +260,14 @@ class AccumulatorBase(AccumulatorModel):
         done = False
         try:
             conn.send_packed_command(conn.pack_commands(_scripts.pop_commands(key, timeout, then)))
-            conn.read_response()
+            try:
+                conn.read_response()
+            except ResponseError as exc:
+                if not (self._cluster and is_redirect(exc)):
+                    raise
+                # the slot moved (or is moving): a fresh slot map, and the caller re-checks
+                blocking.nodes_manager.initialize()
+                raise redis.ConnectionError(f"take_grad: the slot moved ({exc})") from exc
             if then is not None:
                 try:
                     out.append(conn.read_response())

@@ -238,7 +238,7 @@ def test_take_wakes_promptly_on_apply(target):
 def test_a_woken_take_claims_in_the_round_trip_of_its_wait(real, monkeypatch):
     """The take script rides behind the BLPOP: a take that waits costs its first check, the
     wait (with the re-check the wake-up starts), and the finish. Counted on the taker's
-    thread only (a cluster routes its waits by key and re-checks apart: one more)."""
+    thread only."""
     acc, other = make(real), make(real)
     original = redis.connection.AbstractConnection.send_packed_command
     sends: list[int] = []
@@ -264,7 +264,7 @@ def test_a_woken_take_claims_in_the_round_trip_of_its_wait(real, monkeypatch):
         other.apply_grad(np.full(SMALL, step, np.float32), local_step=step)
         waiter.join(10)
         np.testing.assert_array_equal(result[0], np.full(SMALL, step, np.float32))
-    assert len(sends) == (4 if real.kind == "cluster" else 3)
+    assert len(sends) == 3
 
 @pytest.mark.parametrize("shape", [SMALL, LARGE], ids=["inline", "blob"])
 def test_nothing_left_behind_after_takes(target, shape):
