@@ -259,7 +259,8 @@ class AccumulatorBase(AccumulatorModel):
             self._waits.add(conn)
         done = False
         try:
-            conn.send_packed_command(conn.pack_commands(_scripts.pop_commands(key, timeout, then)))
+            commands, run = _scripts.behind_wait(key, timeout, then)
+            conn.send_packed_command(conn.pack_commands(commands))
             try:
                 conn.read_response()
             except ResponseError as exc:
@@ -268,14 +269,18 @@ class AccumulatorBase(AccumulatorModel):
                 # the slot moved (or is moving): a fresh slot map, and the caller re-checks
                 blocking.nodes_manager.initialize()
                 raise redis.ConnectionError(f"take_grad: the slot moved ({exc})") from exc
-            if then is not None:
+            if run is not None:
                 try:
-                    out.append(conn.read_response())
-                except NoScriptError:
-                    pass
+                    reply, error = conn.read_response(), None
                 except ResponseError as exc:
-                    done = True  # the reply is read: the connection is clean
-                    raise _scripts.translate(exc) from exc
+                    reply, error = None, exc
+                done = True  # both replies are read: the connection is clean
+                if error is not None and self._cluster and is_redirect(error):
+                    blocking.nodes_manager.initialize()  # the caller re-checks
+                else:
+                    made, reply = _scripts.reply_behind(run, reply, error)
+                    if made:
+                        out.append(reply)
             done = True
         finally:
             with self._waits_lock:

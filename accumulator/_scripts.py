@@ -64,13 +64,32 @@ def evalsha_args(name: str, keys: Sequence[str | bytes], args: Sequence[Any]) ->
     return ["EVALSHA", sha(name), len(keys), *keys, *args]
 
 
-def pop_commands(key: str, timeout: float, then: Call | None) -> list[Sequence[Any]]:
+def behind_wait(
+    key: str, timeout: float, then: Call | None
+) -> tuple[list[Sequence[Any]], Generator[list[Any], Any, Any] | None]:
     """A wait's commands, sent at once (see :class:`~accumulator._requests.Pop`): the BLPOP
-    and, behind it, the EVALSHA of ``then``, which Redis runs the moment the wait ends."""
+    and, behind it, the EVALSHA of ``then``, which Redis runs the moment the wait ends. Also
+    ``then``'s :func:`steps` (its first command taken), for :func:`reply_behind`: a script
+    call behind a wait is handled as every other one."""
     commands: list[Sequence[Any]] = [("BLPOP", key, timeout)]
+    run = None
     if then is not None:
-        commands.append(evalsha_args(then.name, then.keys, then.args))
-    return commands
+        run = steps(then.name, then.keys, then.args)
+        commands.append(next(run))
+    return commands, run
+
+
+def reply_behind(
+    run: Generator[list[Any], Any, Any], reply: Any, error: BaseException | None
+) -> tuple[bool, Any]:
+    """``(True, the script's reply)`` for the reply (or error reply) of the call sent behind
+    a wait; ``ACCERR`` and ACL errors raised as ours. ``(False, None)`` when the script needs
+    another command (NOSCRIPT: the caller makes the call the ordinary way)."""
+    done, value = advance(run, reply, error)
+    if done:
+        return True, value
+    run.close()
+    return False, None
 
 
 def steps(name: str, keys: Sequence[str | bytes], args: Sequence[Any]) -> Generator[

@@ -266,6 +266,33 @@ def test_a_woken_take_claims_in_the_round_trip_of_its_wait(real, monkeypatch):
         np.testing.assert_array_equal(result[0], np.full(SMALL, step, np.float32))
     assert len(sends) == 3
 
+def test_a_woken_take_whose_script_was_flushed_meanwhile_still_claims(real, monkeypatch):
+    """The take script behind the wait meets NOSCRIPT (a restarted or flushed server): the
+    take makes the call again the ordinary way, which loads it."""
+    from accumulator import _scripts
+
+    behind: list[bool] = []
+    original = _scripts.reply_behind
+
+    def reply_behind(run, reply, error):
+        made, value = original(run, reply, error)
+        behind.append(made)
+        return made, value
+
+    monkeypatch.setattr(_scripts, "reply_behind", reply_behind)
+    acc, other = make(real), make(real)  # (opening one loads every script)
+    result: list[np.ndarray] = []
+    waiter = threading.Thread(target=lambda: result.append(acc.take_grad(1, timeout=10)))
+    waiter.start()
+    time.sleep(0.3)  # waiting, with the take script queued behind its BLPOP
+    real.redis().script_flush()
+    other.apply_grad(np.full(SMALL, 7.0))  # loads the apply script only
+    waiter.join(10)
+    np.testing.assert_array_equal(result[0], np.full(SMALL, 7.0, np.float32))
+    assert acc.global_step() == 1
+    assert behind[-1] is False  # the script behind the wait was not there
+
+
 @pytest.mark.parametrize("shape", [SMALL, LARGE], ids=["inline", "blob"])
 def test_nothing_left_behind_after_takes(target, shape):
     acc = make(target, shape=shape)

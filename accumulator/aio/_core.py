@@ -356,17 +356,18 @@ class AccumulatorBase(AccumulatorModel):
         self._waits.add(conn)
         done = False
         try:
-            commands = _scripts.pop_commands(key, timeout, then)
+            commands, run = _scripts.behind_wait(key, timeout, then)
             await conn.send_packed_command(conn.pack_commands(commands))
             await conn.read_response()
-            if then is not None:
+            if run is not None:
                 try:
-                    out.append(await conn.read_response())
-                except NoScriptError:
-                    pass
+                    reply, error = await conn.read_response(), None
                 except ResponseError as exc:
-                    done = True  # the reply is read: the connection is clean
-                    raise _scripts.translate(exc) from exc
+                    reply, error = None, exc
+                done = True  # both replies are read: the connection is clean
+                made, reply = _scripts.reply_behind(run, reply, error)
+                if made:
+                    out.append(reply)
             done = True
         finally:
             self._waits.discard(conn)
