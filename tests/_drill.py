@@ -19,7 +19,7 @@ records; the parser skips a torn one and counts it):
   before it sends the finish script (from then on the round may be freed in Redis), ``Q`` as
   soon as a take returned, then ``T <json>``: ``{"n": num_required, "ids": [...], "odd":
   {position: value}, "s": seconds}``; ``E - take <ExcType> <message>``. ``C`` and ``F`` come
-  from a hook on ``accumulator._scripts.call`` (the function the take protocol sends its
+  from a hook on ``accumulator._scripts.steps`` (the function the take protocol sends its
   scripts through); a take returning without them logs ``E - hook`` and fails the drill.
 - both: ``E - open <ExcType> <message>`` when constructing the accumulator raised.
 """
@@ -166,21 +166,21 @@ def _hook_take_protocol(log: _Log) -> list[str]:
     it before each take)."""
     from accumulator import _scripts
 
-    original = _scripts.call
+    original = _scripts.steps
     marks: list[str] = []
 
-    def call(client: Any, script: str, keys: Any, args: Any, *rest: Any, **kwargs: Any) -> Any:
+    def steps(script: str, keys: Any, args: Any) -> Any:  # every script call, sent however
         if script == "finish":
             marks.append("F")
             log("F")
-        reply = original(client, script, keys, args, *rest, **kwargs)
+        reply = yield from original(script, keys, args)
         if script == "take" and int(reply[0]) == 1:
             marks.append("C")
             claim = keys[4]
             log(f"C {claim.decode() if isinstance(claim, bytes) else claim}")
         return reply
 
-    _scripts.call = call  # type: ignore[assignment]
+    _scripts.steps = steps  # type: ignore[assignment]
     # with a durability setting, the finish script goes in a pipeline with its WAIT
     from accumulator import _core
 
@@ -231,21 +231,21 @@ def claim_then_hang_main(url: str, name: str, width: int, marker: str, claim_lea
     """A taker that stops for good right after its take script claimed a round (before the
     reply is read and the result returned), so that the parent can SIGKILL it there.
 
-    The hook wraps ``accumulator._scripts.call``, the function the take protocol sends its
-    scripts through; if the library stops using it, the marker never appears and the test
-    says so."""
+    The hook wraps ``accumulator._scripts.steps``, which every script call goes through
+    (alone, in a batch, or behind a wait); if the library stops using it, the marker never
+    appears and the test says so."""
     from accumulator import _scripts
 
-    original = _scripts.call
+    original = _scripts.steps
 
-    def call(client: Any, script: str, *args: Any, **kwargs: Any) -> Any:
-        reply = original(client, script, *args, **kwargs)
+    def steps(script: str, keys: Any, args: Any) -> Any:
+        reply = yield from original(script, keys, args)
         if script == "take" and int(reply[0]) == 1:
             Path(marker).write_text(f"{os.getpid()}\n")
             time.sleep(3600)
         return reply
 
-    _scripts.call = call  # type: ignore[assignment]
+    _scripts.steps = steps  # type: ignore[assignment]
     acc = accumulator.ConditionalAccumulator(
         DTYPE, shape=(width,), shared_name=name, reduction_type="SUM", client=url
     )

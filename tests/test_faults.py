@@ -171,7 +171,7 @@ def test_taker_killed_after_claiming_loses_nothing(own_server, tmp_path, payload
             grad[u] = 1
             assert acc.apply_grad(grad, local_step=0)
         _wait_for(marker, 30, "the take script's claim was never seen (the hook on "
-                  "accumulator._scripts.call is stale: update tests/_drill.py)")  # fmt: skip
+                  "accumulator._scripts.steps is stale: update tests/_drill.py)")  # fmt: skip
     finally:
         os.kill(proc.pid, signal.SIGKILL)
         proc.join(10)
