@@ -20,7 +20,7 @@ from redis.exceptions import NoScriptError, ResponseError
 
 from . import _protocol, _retry, _scripts
 from ._cluster_batch import by_node_batch, each, is_script, on_node, per_node
-from ._connection import Client, Connections, connect, is_cluster, is_redirect
+from ._connection import Client, Connections, connect, is_cluster, is_redirect, moved_error
 from ._errors import CancelledError
 from ._keys import SCHEMA_VERSION, Keys
 from ._model import AccumulatorModel, server_of
@@ -264,11 +264,12 @@ class AccumulatorBase(AccumulatorModel):
             try:
                 conn.read_response()
             except ResponseError as exc:
-                if not (self._cluster and is_redirect(exc)):
+                moved = moved_error("take_grad", [exc]) if self._cluster else None
+                if moved is None:
                     raise
                 # the slot moved (or is moving): a fresh slot map, and the caller re-checks
                 blocking.nodes_manager.initialize()
-                raise redis.ConnectionError(f"take_grad: the slot moved ({exc})") from exc
+                raise moved from exc
             if run is not None:
                 try:
                     reply, error = conn.read_response(), None
