@@ -351,9 +351,10 @@ class SyncKeys:
     ``accsync:{tag}:st``        hash     push counters: ``pushes``, ``partial``, ``stale``
                                         and per worker ``w:<id>:pushes|partial|stale``,
                                         ``w:<id>:seen_ms`` (server time of its last push) and
-                                        ``w:<id>:push`` (id of its last counted push: a
-                                        retried count is counted once); written by
-                                        ``lua/sync_count.lua``
+                                        ``w:<id>:push`` and ``w:<id>:push_as`` (id of its
+                                        last counted push and the outcome it is counted as:
+                                        a retried count is counted once, an amended one
+                                        moves); written by ``lua/sync_count.lua``
     ``accsync:{tag}:ch``        channel  pub/sub: ``"<step>"`` after every publish
     ``accsync:{tag}:chief``     hash     the chief lease (one chief per job): ``id``,
                                         ``host``, ``pid``, ``since_ms``, ``renewed_ms``,

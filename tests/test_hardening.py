@@ -398,6 +398,33 @@ def test_keys_helper_recognises_only_own_blob_keys():
         assert k.entry_keys(bad_entry) is None, bad_entry
 
 
+@pytest.mark.parametrize("case", ["stats key", "outcome", "counter name", "push id", "worker"])
+def test_the_push_count_refuses_garbage_before_any_write(target, case):
+    """A sync worker's push count (``lua/sync_count.lua``) checks its input before writing: an
+    outcome that is not one of its three could otherwise add to any field of the hash."""
+    from accumulator._keys import SyncKeys
+
+    k = SyncKeys("", "garbage")
+    keys = [k.stats]
+    args = ["w0", "00ff", ""]
+    if case == "stats key":
+        keys = [k.params]
+    elif case == "outcome":
+        args[2] = "bogus"
+    elif case == "counter name":
+        args[2] = "pushes"
+    elif case == "push id":
+        args[1] = "not hex"
+    else:
+        args[0] = ""
+    r = target.redis()
+    r.hset(k.stats, mapping={"pushes": 3})
+    before = snapshot(r)
+    with pytest.raises(accumulator.InvalidArgumentError, match="BADARG"):
+        _scripts.call(r, "sync_count", keys, args)
+    assert snapshot(r) == before
+
+
 @pytest.mark.parametrize(
     "case",
     ["params key", "foreign part", "part count", "channel", "odd fields", "no fields",

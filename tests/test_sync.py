@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import accumulator
+from accumulator._keys import Keys, SyncKeys
 from accumulator.sync import (
     ParameterServer,
     TrainingFinished,
@@ -72,6 +73,103 @@ def test_push_take_publish(target):
     assert ps.accumulator_names == {"w": "job/w", "emb": "job/emb"}
     for w in workers:
         w.close()
+    ps.close()
+
+
+def test_a_push_is_counted_in_the_round_trip_of_its_applies(real, sends):
+    """A steady worker's push of a small model: the finished check, then one pipeline with
+    every tensor's apply and the push's count (made as "all accepted" before the outcome is
+    known). A push with a stale tensor amends its count after."""
+    ps = ParameterServer("rt", replicas_to_aggregate=1, sparse={"emb"}, client=real.client())
+    ps.initialize(_params())
+    worker = Worker("rt", client=real.client(), worker_id="w0")
+    step, _ = worker.pull(timeout=5)
+    grads = {"w": np.ones((2, 3)), "emb": ([1], [[1.0, 1.0]])}
+    worker.push(step, grads)  # the first loads the count script
+    ps.step(LR, timeout=5)
+    step, _ = worker.pull(after=step, timeout=5)
+    # one pipeline: on a cluster, one per node the keys live on
+    r = real.redis()
+    keys = [*(Keys("", accumulator_name("rt", name)).state for name in grads), worker.keys.stats]
+    pipelines = len({r.get_node_from_key(k).name for k in keys}) if real.kind == "cluster" else 1
+    sends[0] = 0
+    assert worker.push(step, grads) == {"w": True, "emb": True}
+    assert sends[0] == 1 + pipelines
+    ps.step(LR, timeout=5)
+    sends[0] = 0
+    assert worker.push(step, grads) == {"w": False, "emb": False}  # stale: counted, amended
+    assert sends[0] == 2 + pipelines
+    stats = ps.stats()
+    assert (stats.pushes, stats.stale, stats.partial) == (3, 1, 0)
+    assert (stats.workers["w0"].pushes, stats.workers["w0"].stale) == (3, 1)
+    worker.close()
+    ps.close()
+
+
+def test_a_push_count_amended_or_sent_again_counts_once(target):
+    """``lua/sync_count.lua``: the same push id again with the same outcome is a retry (not
+    counted); with another outcome it moves the push between the outcome counters."""
+    from accumulator import _scripts
+
+    r = target.redis()
+    stats_key = SyncKeys("", "amend").stats
+
+    def count(push: str, what: str) -> int:
+        return int(_scripts.call(r, "sync_count", [stats_key], ["w:1", push, what]))
+
+    def counters() -> tuple[int, ...]:
+        got = r.hgetall(stats_key)
+        return tuple(int(got.get(f.encode(), 0)) for f in
+                     ("pushes", "stale", "partial", "w:w:1:pushes", "w:w:1:stale",
+                      "w:w:1:partial"))  # fmt: skip
+
+    assert count("a1", "") == 1 and count("a1", "") == 0
+    assert counters() == (1, 0, 0, 1, 0, 0)
+    assert count("a1", "stale") == 2 and count("a1", "stale") == 0
+    assert counters() == (1, 1, 0, 1, 1, 0)
+    assert count("a1", "partial") == 2
+    assert counters() == (1, 0, 1, 1, 0, 1)
+    assert count("b2", "stale") == 1
+    assert counters() == (2, 1, 1, 2, 1, 1)
+    assert count("b2", "") == 2
+    assert counters() == (2, 0, 1, 2, 0, 1)
+
+
+def _failed_step():
+    raise RuntimeError("injected")
+    yield  # a generator: the protocol step fails when it is run
+
+
+def test_a_push_that_failed_part_way_is_counted_once(target, monkeypatch):
+    """A push whose second tensor's apply failed: the first stays applied, pushing again at
+    the step applies only the other, and the two attempts count as one push."""
+    from accumulator.sync import _worker
+
+    ps = ParameterServer("half", replicas_to_aggregate=1, sparse={"emb"}, client=target.client())
+    ps.initialize(_params())
+    worker = Worker("half", client=target.client(), worker_id="w0")
+    step, _ = worker.pull(timeout=5)
+    real_apply = _worker._apply_ops
+    calls = []
+
+    def failing(acc, prepared, at):
+        calls.append(acc.name)
+        if acc.name == "emb" and len(calls) <= 2:
+            return _failed_step()
+        return real_apply(acc, prepared, at)
+
+    monkeypatch.setattr(_worker, "_apply_ops", failing)
+    grads = {"w": np.ones((2, 3)), "emb": ([1], [[1.0, 1.0]])}
+    with pytest.raises(RuntimeError, match="injected"):
+        worker.push(step, grads)
+    assert worker.push(step, grads) == {"w": True, "emb": True}
+    assert calls == ["w", "emb", "emb"]  # w was not applied again
+    assert ps.step(LR, timeout=5) == 1
+    np.testing.assert_allclose(ps.params["w"], _params()["w"] - LR)
+    stats = ps.stats()
+    assert (stats.pushes, stats.workers["w0"].pushes) == (1, 1)
+    assert stats.params["w"].applied == 1 and stats.params["emb"].applied == 1
+    worker.close()
     ps.close()
 
 

@@ -20,7 +20,7 @@ from .._codec import scalar_int
 from .._connection import Client
 from .._dense import ConditionalAccumulator
 from .._errors import DeadlineExceededError
-from .._requests import Ops
+from .._requests import Call, Ops
 from .._sparse import SparseConditionalAccumulator
 from .._together import run_together
 from ._job import TrainingFinished, Version, _Job
@@ -31,6 +31,11 @@ logger = logging.getLogger("accumulator.sync")
 
 #: Longest sleep of a waiting worker between two looks at the published step.
 POLL_SLICE = 1.0
+
+
+def _call_ops(call: Call) -> Ops[Any]:
+    """One script call as a protocol step (made alongside the applies of a push)."""
+    return (yield call)
 
 
 def _apply_ops(
@@ -68,9 +73,9 @@ class Worker(_Job):
         self._run: str | None = None
         self._step: int | None = None
         self._finished = False
-        # (step, {param: accepted}) of a push that failed part-way: pushing again at that
-        # step applies only the other tensors.
-        self._partial: tuple[int, dict[str, bool]] | None = None
+        # (step, {param: accepted}, push id) of a push that failed part-way: pushing again at
+        # that step applies only the other tensors, and counts under the same push id.
+        self._partial: tuple[int, dict[str, bool], str] | None = None
         #: This worker's lifetime counts: pushes, and tensors accepted / dropped as stale.
         self.pushes = 0
         self.accepted = 0
@@ -204,30 +209,38 @@ class Worker(_Job):
             )
         prepared = validated_push(self.job, self._specs, self._accs, grads)
         result: dict[str, bool] = {}
-        if self._partial is not None and self._partial[0] == step and self._partial[1]:
-            result = dict(self._partial[1])
-            logger.info(
-                "sync job %r: this push at step %d completes one that failed part-way (%s "
-                "already applied)", self.job, step, ", ".join(sorted(result)),
-            )  # fmt: skip
-        # every tensor's apply at once: their script calls share round trips
+        push_id = uuid.uuid4().hex[:16]  # a retried count is recognised and counted once
+        if self._partial is not None and self._partial[0] == step:
+            _, done_before, push_id = self._partial
+            result = dict(done_before)
+            if result:
+                logger.info(
+                    "sync job %r: this push at step %d completes one that failed part-way "
+                    "(%s already applied)", self.job, step, ", ".join(sorted(result)),
+                )  # fmt: skip
+        # every tensor's apply at once, and the push's count: their script calls share round
+        # trips. The count is made before the outcome is known, as "all accepted" (the common
+        # case); a push with a stale tensor amends it after.
         todo = [spec for spec in self._specs if spec.name not in result]
+        counted = len(todo)  # the count's index among the steps
 
         def applied(i: int, outcome: tuple[bool, Any]) -> None:
-            if outcome[0]:
+            if i < counted and outcome[0]:
                 result[todo[i].name] = bool(outcome[1])
 
+        count = self._count_call(push_id, "")
         try:
             outcomes = run_together([
-                (acc, _apply_ops(acc, prepared[spec.name], step))
-                for spec, acc in ((s, self._accs[s.name]) for s in todo)
+                *((acc, _apply_ops(acc, prepared[spec.name], step))
+                  for spec, acc in ((s, self._accs[s.name]) for s in todo)),
+                (self._accs[names[0]], _call_ops(count)),
             ], applied)  # fmt: skip
         except BaseException:  # interrupted: what is known to be applied is remembered
-            self._partial = (step, dict(result))
+            self._partial = (step, dict(result), push_id)
             raise
         failed = next((value for ok, value in outcomes if not ok), None)
         if failed is not None:
-            self._partial = (step, dict(result))
+            self._partial = (step, dict(result), push_id)
             if result:
                 logger.error(
                     "sync job %r: push at step %d failed after applying %s; pushing again "
@@ -241,17 +254,17 @@ class Worker(_Job):
         self.pushes += 1
         self.accepted += n_ok
         self.dropped += len(result) - n_ok
-        self._count(n_ok, len(result))
+        if n_ok < len(result):  # amend the count, made as "all accepted"
+            amend = self._count_call(push_id, "stale" if n_ok == 0 else "partial")
+            self._io(amend.what,
+                     lambda: _scripts.call(self.redis, amend.name, amend.keys, amend.args))
         return result
 
-    def _count(self, n_ok: int, n: int) -> None:
-        what = "" if n_ok == n else "stale" if n_ok == 0 else "partial"
-        push_id = uuid.uuid4().hex[:16]  # a retried count is recognised and counted once
-        args = [self.worker_id, push_id, what]
-        self._io(
-            "counting the push",
-            lambda: _scripts.call(self.redis, "sync_count", [self.keys.stats], args),
-        )
+    def _count_call(self, push_id: str, what: str) -> Call:
+        """The ``lua/sync_count.lua`` call counting this worker's push ``push_id`` with the
+        outcome ``what`` ('' all accepted, ``stale`` or ``partial``)."""
+        return Call("counting the push", "sync_count", [self.keys.stats],
+                    [self.worker_id, push_id, what])  # fmt: skip
 
     def close(self) -> None:
         """Stop listening for publishes and release the job's connections."""
