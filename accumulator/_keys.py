@@ -355,7 +355,10 @@ class SyncKeys:
                                         last counted push and the outcome it is counted as:
                                         a retried count is counted once, an amended one
                                         moves); written by ``lua/sync_count.lua``
-    ``accsync:{tag}:ch``        channel  pub/sub: ``"<step>"`` after every publish
+    ``accsync:{tag}:ch``        channel  pub/sub: an announcement after every publish:
+                                        ``"<step>"``, or for parameters of 16 KiB at most
+                                        (``sync._published.ANNOUNCE_BYTES``) msgpack
+                                        ``["p1", run, step, done, [bytes per parameter]]``
     ``accsync:{tag}:chief``     hash     the chief lease (one chief per job): ``id``,
                                         ``host``, ``pid``, ``since_ms``, ``renewed_ms``,
                                         ``expires_ms`` (server time); kept an hour past its

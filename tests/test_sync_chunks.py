@@ -3,6 +3,8 @@ switched in one MULTI, the previous version kept readable for a minute."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -109,20 +111,25 @@ def _small_model() -> dict[str, np.ndarray]:
     return {f"layer{i}": np.full((8, 4), i, np.float32) for i in range(6)}
 
 
-def test_a_small_model_is_published_and_pulled_in_one_round_trip(real, sends):
+@pytest.mark.parametrize("rows", [8, 512])
+def test_a_small_model_is_published_and_pulled_in_one_round_trip(real, sends, rows):
     """Six small parameters: the chief's publish is one MULTI (parts and hash together), a
-    steady worker's pull one pipeline (the hash and the version it expects next)."""
+    steady worker's pull one pipeline (the hash and the version it expects next); a tiny
+    model (6 x 128 bytes, not 6 x 8 KiB) comes in the publish's announcement: no read at
+    all."""
+    model = {name: np.repeat(value, rows // 8, axis=0) for name, value in _small_model().items()}
     ps = ParameterServer("small", replicas_to_aggregate=1, client=real.client())
-    ps.initialize(_small_model())
+    ps.initialize(model)
     worker = Worker("small", client=real.client())
     step, _ = worker.pull(timeout=5)
-    worker.push(step, {name: np.ones((8, 4), np.float32) for name in _small_model()})
+    worker.push(step, {name: np.ones((rows, 4), np.float32) for name in model})
     ps.step(0.5, timeout=5)
     sends[0] = 0
     step, params = worker.pull(after=step, timeout=5)
-    assert step == 1 and sends[0] == 1
-    for name, value in _small_model().items():
+    assert step == 1 and sends[0] == (0 if rows == 8 else 1)
+    for name, value in model.items():
         np.testing.assert_array_equal(params[name], value - 0.5)
+        params[name] += 1  # the caller's own arrays
     sends[0] = 0
     ps._publish()  # the same version again (what a retry sends)
     assert sends[0] == (2 if real.kind == "cluster" else 1)  # a cluster publishes after EXEC
@@ -148,4 +155,76 @@ def test_a_worker_steps_behind_pulls_the_newest_parameters(target):
         np.testing.assert_array_equal(params[name], value - 2.0)
     for w in (slow, fast):
         w.close()
+    ps.close()
+
+
+def test_announcements_that_do_not_fit_are_read_instead(target):
+    """A worker trusts an announcement's parameters only when it names the worker's run and
+    carries every parameter at its size; anything else on the channel (a step alone, another
+    run, garbage, a version not newer) makes it read the published state, which wins."""
+    from accumulator.sync._published import encode_announcement
+
+    ps = ParameterServer("noise", replicas_to_aggregate=1, client=target.client())
+    ps.initialize(_small_model())
+    worker = Worker("noise", client=target.client())
+    step, _ = worker.pull(timeout=5)
+    worker.push(step, {name: np.ones((8, 4), np.float32) for name in _small_model()})
+    ps.step(1.0, timeout=5)
+    r = target.redis()
+    channel = worker.keys.channel
+    wrong = [np.full(32, 7, np.float32).data for _ in _small_model()]
+    for noise in (b"garbage", b"\x95\xa2p1", b"1",
+                  encode_announcement("another run", 1, False, wrong),
+                  encode_announcement(ps._run, 1, False, wrong[:-1]),
+                  encode_announcement(ps._run, 1, False, [w[:64] for w in wrong]),
+                  encode_announcement(ps._run, 0, False, wrong)):  # fmt: skip
+        r.publish(channel, noise)  # after the chief's own: the newest in hand
+        step, params = worker.pull(after=0, timeout=5)
+        assert step == 1
+        for name, value in _small_model().items():
+            np.testing.assert_array_equal(params[name], value - 1.0)
+        worker._watched = worker._pubsub  # as after a look: wait for announcements again
+    worker.close()
+    ps.close()
+
+
+def test_an_announcement_decodes_to_fresh_native_arrays():
+    from accumulator.sync._published import ParamSpec, decode_announcement, encode_announcement
+
+    specs = [ParamSpec("a", "dense", np.dtype(">f8"), (2, 3)),
+             ParamSpec("b", "dense", np.dtype("float16"), (4,))]  # fmt: skip
+    a, b = np.arange(6, dtype=">f8").reshape(2, 3), np.arange(4, dtype=np.float16)
+    wire = [np.ascontiguousarray(a, "<f8").reshape(-1).view(np.uint8).data,
+            b.view(np.uint8).data]  # fmt: skip
+    message = encode_announcement("r", 5, True, wire)
+    step, done, params = decode_announcement(message, "r", specs)
+    assert (step, done) == (5, True)
+    np.testing.assert_array_equal(params["a"], a)
+    assert params["a"].dtype == np.dtype(">f8") and params["b"].dtype == np.float16
+    assert all(p.flags.writeable and p.flags.owndata for p in params.values())
+    assert decode_announcement(message, "other", specs) is None
+    assert decode_announcement(message, None, specs) is None
+    assert decode_announcement(message, "r", specs[:1]) is None
+    assert decode_announcement(encode_announcement("r", 5, False, None), "r", specs) is None
+    assert decode_announcement(message[:-3], "r", specs) is None
+
+
+def test_a_pull_without_time_to_wait_still_sees_a_new_step(target):
+    """``pull(after=..., timeout=0)``: the new step if it is there (from the announcement in
+    hand), else DeadlineExceededError after a look."""
+    import accumulator
+
+    ps = ParameterServer("now", replicas_to_aggregate=1, client=target.client())
+    ps.initialize(_small_model())
+    worker = Worker("now", client=target.client())
+    step, _ = worker.pull(timeout=5)
+    with pytest.raises(accumulator.DeadlineExceededError):
+        worker.pull(after=step, timeout=0)
+    worker.push(step, {name: np.ones((8, 4), np.float32) for name in _small_model()})
+    ps.step(1.0, timeout=5)
+    time.sleep(0.1)  # the announcement has arrived
+    assert worker.pull(after=step, timeout=0)[0] == 1
+    with pytest.raises(accumulator.DeadlineExceededError):
+        worker.pull(after=1, timeout=0)
+    worker.close()
     ps.close()

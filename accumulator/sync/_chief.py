@@ -24,7 +24,15 @@ from .._together import run_together
 from ._job import TrainingFinished, _Job, _text, accumulator_name
 from ._lease import CHIEF_LEASE_SECONDS, _ChiefLease, chief_key
 from ._params import Update, apply_update, specs_for, zero_grad
-from ._published import ParamSpec, Published, encode_published, nbytes_of, param_bytes
+from ._published import (
+    ANNOUNCE_BYTES,
+    ParamSpec,
+    Published,
+    encode_announcement,
+    encode_published,
+    nbytes_of,
+    param_bytes,
+)
 
 logger = logging.getLogger("accumulator.sync")
 
@@ -313,13 +321,18 @@ class ParameterServer(_Job):
         # ever publishes over another, not even one that took over a moment ago).
         cluster = is_cluster(self.redis)
         new_keys = [key for keys, _ in parts for key in keys]
+        nbytes = sum(data.nbytes for _, data in parts)
+        # tiny models travel in the announcement too: a waiting worker needs no read
+        announcement = encode_announcement(
+            run, step, done, [data for _, data in parts] if nbytes <= ANNOUNCE_BYTES else None
+        )
         lease_keys, lease_args = self._lease.publish_call(
             self.keys.params, new_keys, old_keys, "" if cluster else self.keys.channel,
-            str(self._step), _OLD_VERSION_MS, mapping,
+            announcement, _OLD_VERSION_MS, mapping,
         )  # fmt: skip
         # Small parameters (a chunk in all) go in the MULTI of the switch: one round trip,
         # and a part refused (maxmemory) aborts the whole publish.
-        small = sum(data.nbytes for _, data in parts) <= _chunks.CHUNK_BYTES
+        small = nbytes <= _chunks.CHUNK_BYTES
 
         def switch(script: list[Any]) -> list[Any]:
             pipe = self.redis.pipeline(transaction=True)
@@ -354,7 +367,7 @@ class ParameterServer(_Job):
                                 *lease_keys, *lease_args])  # fmt: skip
             if cluster and int(reply[0]) == 1:
                 # a cluster transaction carries no PUBLISH: the hint follows it
-                self.redis.publish(self.keys.channel, str(self._step))
+                self.redis.publish(self.keys.channel, announcement)
             return reply
 
         self._lease.settle(self._io("publishing", publish))

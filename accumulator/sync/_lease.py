@@ -82,7 +82,7 @@ class _ChiefLease:
 
     def publish_call(
         self, published: str, new_keys: list[str], old_keys: list[str], channel: str,
-        message: str, old_expire_ms: int, fields: Mapping[Any, Any],
+        message: str | bytes, old_expire_ms: int, fields: Mapping[Any, Any],
     ) -> tuple[list[str], list[Any]]:  # fmt: skip
         """KEYS and ARGV of the lease script's ``publish``: the lease renewed and, only if
         this chief holds it, the published hash switched to the new version, in one atomic

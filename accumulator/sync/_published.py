@@ -110,3 +110,47 @@ def decode_published(job: str, raw: Mapping[bytes, Any]) -> Published | None:
         specs=specs, replicas=int(meta["replicas"]), reduction=meta["reduction"],
         params=params,
     )  # fmt: skip
+
+
+#: Parameters of at most this many bytes in all travel in the publish's announcement on the
+#: job's channel: a waiting worker then has them without a read. Larger models announce the
+#: step only. Every subscriber holds its unread announcements (Redis's pub/sub output buffer:
+#: 32 MiB at most by default), so this stays small.
+ANNOUNCE_BYTES = 16384
+_ANNOUNCE_TAG = "p1"
+
+
+def encode_announcement(run: str, step: int, done: bool, data: list[memoryview] | None) -> bytes:
+    """What the chief announces on the job's channel after a publish: ``data`` (every
+    parameter's wire bytes, in the specs' order; None when they are too large to travel
+    along) with its version, else the step alone (``b"<step>"``)."""
+    if data is None:
+        return str(step).encode()
+    packed: bytes = msgpack.packb(
+        [_ANNOUNCE_TAG, run, step, int(done), [bytes(d) for d in data]], use_bin_type=True
+    )
+    return packed
+
+
+def decode_announcement(
+    message: Any, run: str | None, specs: list[ParamSpec]
+) -> tuple[int, bool, dict[str, np.ndarray]] | None:
+    """``(step, done, parameters)`` of an announcement that carries the parameters of run
+    ``run`` with exactly these specs (fresh native arrays); None for anything else (a step
+    alone, another run, a malformed message): the worker reads the published state then."""
+    if not isinstance(message, bytes) or message[:1] != b"\x95" or run is None:
+        return None
+    try:
+        tag, their_run, step, done, data = msgpack.unpackb(message, raw=False)
+    except (ValueError, TypeError, msgpack.UnpackException):
+        return None
+    if (tag != _ANNOUNCE_TAG or their_run != run or not isinstance(step, int)
+            or not isinstance(data, list) or len(data) != len(specs)):  # fmt: skip
+        return None
+    params = {}
+    for spec, raw in zip(specs, data, strict=True):
+        if not isinstance(raw, bytes) or len(raw) != nbytes_of(spec):
+            return None
+        wire = np.frombuffer(raw, wire_dtype(spec.dtype)).reshape(spec.shape)
+        params[spec.name] = wire.astype(spec.dtype, copy=True)
+    return step, bool(done), params

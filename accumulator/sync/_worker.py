@@ -4,6 +4,7 @@ gradients at their step."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import socket
@@ -24,7 +25,7 @@ from .._requests import Call, Ops
 from .._sparse import SparseConditionalAccumulator
 from .._together import run_together
 from ._job import TrainingFinished, Version, _Job
-from ._published import Published
+from ._published import Published, decode_announcement
 from ._push import validated_push
 
 logger = logging.getLogger("accumulator.sync")
@@ -70,6 +71,8 @@ class Worker(_Job):
         super().__init__(job, client=client, container=container, retry_window=retry_window)
         self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}"
         self._pubsub: Any = None
+        self._watched: Any = None  # the subscription held since the last look at the job
+        self._published: Published | None = None  # what the last pull adopted (no params)
         self._run: str | None = None
         self._step: int | None = None
         self._finished = False
@@ -93,7 +96,7 @@ class Worker(_Job):
 
     def _subscribe(self) -> None:
         def subscribe() -> Any:
-            pubsub = self._blocking.pubsub(ignore_subscribe_messages=True)
+            pubsub = self._blocking.pubsub()
             try:
                 pubsub.subscribe(self.keys.channel)
             except BaseException:
@@ -105,7 +108,7 @@ class Worker(_Job):
         self._pubsub = self._io("subscribing", subscribe)
 
     def _drop_pubsub(self) -> None:
-        pubsub, self._pubsub = self._pubsub, None
+        pubsub, self._pubsub, self._watched = self._pubsub, None, None
         if pubsub is not None:
             try:
                 pubsub.close()
@@ -132,35 +135,45 @@ class Worker(_Job):
                 return False  # finished: raised below, nothing to read
             return after is None or restarted or published.step > after
 
+        def finished(step: int) -> TrainingFinished:
+            # no gradient is wanted any more: a push would never be taken
+            return TrainingFinished(f"sync job {self.job!r} finished at step {step}")
+
         # the version a steady worker pulls next: its parameters come with the first look
         guess = None
         if after is not None and self._run is not None and self._specs:
             guess = Version(self._run, after + 1, tuple(self._specs))
+        # Subscribed since the look that gave this worker its step, it has every announcement
+        # made after that look in hand: waiting for the next one needs no look first.
+        look = not (guess is not None and not self._finished and self._step is not None
+                    and after is not None and after >= self._step
+                    and self._pubsub is not None and self._watched is self._pubsub)  # fmt: skip
+        looked = False  # a timeout is raised only after one look at least
         while True:
             if self._pubsub is None:
                 # Subscribe before the look: a publish after that look is then never missed.
                 self._subscribe()
-            published = self._read_published(wanted=wanted, guess=guess)
-            if published is not None:
-                restarted = self._run is not None and published.run != self._run
-                if after is not None and not restarted and published.done:
-                    # no gradient is wanted any more: a push would never be taken
-                    raise TrainingFinished(
-                        f"sync job {self.job!r} finished at step {published.step}"
-                    )
-                if wanted(published):
-                    return self._adopt(published)
+                look = True
+            if look:
+                published, looked = self._read_published(wanted=wanted, guess=guess), True
+                self._watched = self._pubsub
+                if published is not None:
+                    restarted = self._run is not None and published.run != self._run
+                    if after is not None and not restarted and published.done:
+                        raise finished(published.step)
+                    if wanted(published):
+                        return self._adopt(published)
             wait = POLL_SLICE
             if deadline is not None:
                 wait = min(wait, deadline - time.monotonic())
-                if wait <= 0:
+                if wait <= 0 and looked:
                     raise DeadlineExceededError(
                         f"no parameters of sync job {self.job!r} newer than step {after} "
                         f"within {timeout}s" if after is not None else
                         f"sync job {self.job!r} was not initialized within {timeout}s"
                     )  # fmt: skip
             try:
-                self._pubsub.get_message(timeout=max(wait, 0.001))
+                messages = self._messages(max(wait, 0.0))
             except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
                 # Redis restarting, or the connection killed: subscribe again (retried for
                 # the retry window) and look again; a publish meanwhile is then seen.
@@ -168,12 +181,38 @@ class Worker(_Job):
                             self.job, exc)  # fmt: skip
                 self._drop_pubsub()
                 time.sleep(0.05)
+                continue
+            # A small model's announcements carry its parameters: no read, unless one of
+            # them does not (a step alone, another run, garbage) or none came.
+            last = self._published
+            announced = [decode_announcement(m, self._run, self._specs) for m in messages]
+            look = last is None or not announced or None in announced
+            if not look and last is not None:
+                step, done, params = max((a for a in announced if a), key=lambda a: a[:2])
+                if after is not None and done:
+                    raise finished(step)
+                if after is None or step > after:
+                    return self._adopt(dataclasses.replace(last, step=step, done=done,
+                                                           params=params))  # fmt: skip
+
+    def _messages(self, wait: float) -> list[Any]:
+        """The announcements in hand, waiting up to ``wait`` seconds for the first."""
+        end = time.monotonic() + wait
+        out: list[Any] = []
+        while True:  # (subscription replies come too: they are skipped)
+            left = 0.0 if out else max(end - time.monotonic(), 0.0)
+            message = self._pubsub.get_message(timeout=left)
+            if message is None:
+                return out
+            if message.get("type") == "message":
+                out.append(message["data"])
 
     def _adopt(self, published: Published) -> tuple[int, dict[str, np.ndarray]]:
         if published.run != self._run or published.specs != self._specs:
             self._open_accumulators(published.specs, published.reduction)
             self._run = published.run
             self._partial = None
+        self._published = dataclasses.replace(published, params={})
         self._step = published.step
         self._finished = published.done
         return published.step, published.params
