@@ -60,8 +60,7 @@ def _worker(url: str, name: str, nbytes: int, index: int, conn: Any) -> None:
     acc.close()
 
 
-def _sync_worker(url: str, job: str, nbytes: int, index: int, conn: Any,
-                 tensors: int = 1) -> None:  # fmt: skip
+def _sync_worker(url: str, job: str, nbytes: int, index: int, tensors: int, conn: Any) -> None:
     from accumulator.sync import Worker
 
     worker = Worker(job, client=url, worker_id=f"w{index}")
@@ -77,15 +76,43 @@ def _sync_worker(url: str, job: str, nbytes: int, index: int, conn: Any,
     worker.close()
 
 
+def _start(target: Any, args: list[tuple[Any, ...]]) -> tuple[list[Any], list[Any]]:
+    """One process per argument tuple, each given its end of a pipe (the last argument);
+    returns our ends and the processes once every one said "ready"."""
+    ctx = mp.get_context("spawn")
+    pipes, procs = [], []
+    for a in args:
+        mine, theirs = ctx.Pipe()
+        proc = ctx.Process(target=target, args=(*a, theirs), daemon=True)
+        proc.start()
+        pipes.append(mine)
+        procs.append(proc)
+    for c in pipes:
+        assert c.recv() == "ready"
+    return pipes, procs
+
+
+def _stop(pipes: list[Any], procs: list[Any]) -> None:
+    for c in pipes:
+        c.send(None)
+    for proc in procs:
+        proc.join(30)
+
+
+SyncRow = tuple[str, int, float, float | None]  # size, W, sync step ms, accumulator step ms
+
+
 def run_sync(url: str, sizes: dict[str, int], workers: int, runs: int,
-             verbose: bool, tensors: int = 1) -> list[tuple[str, int, float]]:  # fmt: skip
+             verbose: bool, tensors: int = 1) -> list[SyncRow]:  # fmt: skip
     """The sync helper's step: every worker pushes, the chief steps (takes, updates,
-    publishes), every worker pulls the new parameters; (size, W, median ms) per size. With
-    ``tensors``: a model of that many parameters of the size each (the label says so)."""
+    publishes), every worker pulls the new parameters; (size, W, median ms, the
+    accumulator step's median ms) per size. With one tensor, an accumulator step of the same
+    size (W workers apply, the chief takes) alternates with the sync steps, on the same
+    server, so that both medians see the same machine; with ``tensors``: a model of that
+    many parameters of the size each (the label says so; no accumulator step)."""
     from accumulator.sync import ParameterServer
 
-    out = []
-    ctx = mp.get_context("spawn")
+    out: list[SyncRow] = []
     r = redis.Redis.from_url(url)
     for label, nbytes in sizes.items():
         if tensors > 1:
@@ -94,19 +121,29 @@ def run_sync(url: str, sizes: dict[str, int], workers: int, runs: int,
         job = f"sync/{label}/{workers}"
         ps = ParameterServer(job, replicas_to_aggregate=workers, client=url)
         ps.initialize({f"p{k}": np.zeros(nbytes // 4, np.float32) for k in range(tensors)})
-        pipes, procs = [], []
-        for i in range(workers):
-            mine, theirs = ctx.Pipe()
-            proc = ctx.Process(target=_sync_worker, args=(url, job, nbytes, i, theirs, tensors),
-                               daemon=True)  # fmt: skip
-            proc.start()
-            pipes.append(mine)
-            procs.append(proc)
-        for c in pipes:
-            assert c.recv() == "ready"
-        times = []
+        pipes, procs = _start(_sync_worker,
+                              [(url, job, nbytes, i, tensors) for i in range(workers)])  # fmt: skip
+        chief = None
+        if tensors == 1:
+            name = f"syncbase/{label}/{workers}"
+            chief = accumulator.ConditionalAccumulator(
+                np.float32, shape=(nbytes // 4,), shared_name=name, client=url,
+                max_pending_bytes=1 << 40,
+            )  # fmt: skip
+            acc_pipes, acc_procs = _start(_worker, [(url, name, nbytes, i) for i in range(workers)])
+        times: list[float] = []
+        base: list[float] = []
         n_runs = runs if nbytes <= 64 * MiB else max(2, runs // 5)
-        for i in range(n_runs + 1):
+        for i in range(n_runs + 1):  # the first of each warms up
+            if chief is not None:
+                t = time.perf_counter()
+                for c in acc_pipes:
+                    c.send(i)
+                chief.take_grad(workers, timeout=600)
+                if i > 0:
+                    base.append(time.perf_counter() - t)
+                for c in acc_pipes:
+                    assert c.recv() == "applied"
             t = time.perf_counter()
             for c in pipes:
                 c.send("go")
@@ -115,14 +152,15 @@ def run_sync(url: str, sizes: dict[str, int], workers: int, runs: int,
                 assert c.recv() == "pulled"
             if i > 0:
                 times.append(time.perf_counter() - t)
-        for c in pipes:
-            c.send(None)
-        for proc in procs:
-            proc.join(30)
+        _stop(pipes, procs)
+        if chief is not None:
+            _stop(acc_pipes, acc_procs)
+            chief.close()
         ps.close()
-        out.append((label, workers, 1000 * statistics.median(times)))
+        median = 1000 * statistics.median(times)
+        out.append((label, workers, median, 1000 * statistics.median(base) if base else None))
         if verbose:
-            print(f"  sync   W={workers} {label:>7}: {out[-1][2]:9.2f} ms", file=sys.stderr)
+            print(f"  sync   W={workers} {label:>7}: {median:9.2f} ms", file=sys.stderr)
     r.close()
     return out
 
@@ -329,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print("no C compiler: the module path is not measured", file=sys.stderr)
     rows: list[StepRow] = []
-    sync: list[tuple[str, int, float]] = []
+    sync: list[SyncRow] = []
     for path, module in paths:
         with RedisServer(module=module, args=["--maxmemory", "0"]) as server:
             for w in args.workers:
@@ -343,17 +381,16 @@ def main(argv: list[str] | None = None) -> int:
     tf_ms = measure_tf(args.tf_python, sizes, args.runs, not args.quiet) if args.tf_python else None
     print(render(rows, tf_ms))
     if sync:
-        by = {(r.size, r.workers): r for r in rows if r.path == paths[0][0]}
         print()
-        print(f"sync helper step (push, chief step, pull) on the {paths[0][0]} path, medians:")
+        print(f"sync helper step (push, chief step, pull) on the {paths[0][0]} path, medians; "
+              "the accumulator step of the same size alternates with it:")  # fmt: skip
         print()
         print("| gradient | W | sync step | accumulator step | ratio |")
         print("|---|---:|---:|---:|---:|")
-        for label, w, ms in sync:
-            base = by.get((label, w))
-            ratio = f"{ms / base.step_ms:.2f}" if base else "—"
-            base_ms = f"{base.step_ms:.2f} ms" if base else "—"
-            print(f"| {label} | {w} | {ms:.2f} ms | {base_ms} | {ratio} |")
+        for label, w, ms, base_ms in sync:
+            ratio = f"{ms / base_ms:.2f}" if base_ms else "—"
+            shown = f"{base_ms:.2f} ms" if base_ms else "—"
+            print(f"| {label} | {w} | {ms:.2f} ms | {shown} | {ratio} |")
     if args.json:
         with contextlib.suppress(OSError), open(args.json, "w") as f:
             json.dump([asdict(r) for r in rows], f, indent=1)
