@@ -6,6 +6,7 @@ __all__ = [
     "AccumulatorError",
     "CancelledError",
     "DeadlineExceededError",
+    "FailedPreconditionError",
     "InvalidArgumentError",
     "NotDurableError",
     "NotFoundError",
@@ -36,6 +37,17 @@ class DeadlineExceededError(AccumulatorError, TimeoutError):
 
 class CancelledError(AccumulatorError):
     """The operation was cancelled (the accumulator was closed or deleted while waiting)."""
+
+
+class FailedPreconditionError(AccumulatorError):
+    """The accumulator is sealed: the ``accumulator.sync`` job it belongs to finished, and no
+    round of it will be taken again. An apply that is not stale is refused; nothing was
+    applied. (The sync worker raises ``TrainingFinished`` instead.)"""
+
+    def __init__(self, message: str, final_step: int | None = None) -> None:
+        super().__init__(message)
+        #: The step the job finished at.
+        self.final_step = final_step
 
 
 class NotFoundError(AccumulatorError, LookupError):

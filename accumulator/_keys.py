@@ -14,6 +14,8 @@ key                    type    contents
                                ``sum`` (the accsum module's dtype when sums are kept in
                                Redis, set at creation; absent: the taker sums),
                                ``bytes`` (payload bytes held), ``ttl`` (ms, private only),
+                               ``sealed`` (the final step of the ``accumulator.sync`` job
+                               it belongs to, once that finished: ``lua/seal.lua``),
                                statistics ``n_applied``, ``n_stale``, ``stale_steps``,
                                ``max_stale``, ``n_rejected``, ``n_taken``, ``last_take_ms``,
                                ``last_take_wait_ms``, ``created_ms``

@@ -32,6 +32,7 @@ from ._errors import (
     AccumulatorError,
     CancelledError,
     DeadlineExceededError,
+    FailedPreconditionError,
     InvalidArgumentError,
     NotDurableError,
     ResourceExhaustedError,
@@ -133,6 +134,13 @@ def apply(
             f"accumulator {acc._shared_name!r}: a gradient of {nbytes} bytes would take "
             f"the pending round past its max_pending_bytes={int(reply[4])}; nothing was "
             "applied (take the round, or open the accumulator with a larger limit)"
+        )
+    if code == -4:
+        final = int(reply[4])
+        raise FailedPreconditionError(
+            f"accumulator {acc._shared_name!r} is sealed: its sync job finished at step "
+            f"{final}, and no round of it will be taken again; nothing was applied",
+            final,
         )
     if code < 0:
         return code, reply[4]

@@ -35,7 +35,8 @@ logger = logging.getLogger("accumulator")
 #: The accumulators' scripts, registered (:func:`load_commands`) when an accumulator opens. The
 #: sync helper's own (``sync_lease``, ``sync_count``: keys of ``accumulator.sync``, not an
 #: accumulator's) are called by name too and loaded on first use (NOSCRIPT).
-NAMES = ("open", "apply", "fold", "take", "finish", "leave", "set_step", "reset", "orphans")
+NAMES = ("open", "apply", "fold", "take", "finish", "leave", "set_step", "reset", "orphans",
+         "seal")
 ERROR_PREFIX = "ACCERR "
 
 

@@ -63,6 +63,11 @@ def run_together(
     return [o for o in outcomes if o is not None]
 
 
+def call_step(call: Call) -> Ops[Any]:
+    """One script call as a protocol step, to run alongside others (a push's count)."""
+    return (yield call)
+
+
 def _ended(
     outcomes: list[Outcome | None], i: int, outcome: Outcome,
     on_outcome: Callable[[int, Outcome], None] | None,

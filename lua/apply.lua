@@ -19,7 +19,8 @@
 -- Returns {code, step, count, duplicate, detail}: code 1 accepted, 0 stale,
 -- -1 shape differs from the round's (detail = round shape), -2 refused as a round's first
 -- gradient (detail = ARGV[9]), -3 the round would exceed the accumulator's pending-bytes limit
--- (detail = the limit); accepted: detail = the parts left for the client to fold into the
+-- (detail = the limit), -4 the accumulator is sealed (detail = the step its sync job finished
+-- at; nothing written); accepted: detail = the parts left for the client to fold into the
 -- round's sum (fold.lua), when there are.
 -- Every input and permission is checked before the first write; a refused apply changes
 -- nothing but the n_rejected statistic (and drops its own payload key).
@@ -43,7 +44,7 @@ if ARGV[5] == 'p' or spread then
 end
 local payload_keys = inline and {} or entry_keys(base, entry)
 local err, st = read_state(state, ARGV[1], {'step', 'count', 'rshape', 'ttl', 'bytes',
-  'n_applied', 'maxbytes', 'sum'})
+  'n_applied', 'maxbytes', 'sum', 'sealed'})
 local function drop_payload()  -- nobody will ever reference it
   if #payload_keys > 0 then unlink_all(payload_keys) end
   if spread and not err then
@@ -132,6 +133,11 @@ if int_cmp(local_step, step) < 0 then
   drop_payload()
   redis.call('SET', dedup, seq .. ' 0', 'PX', ARGV[8])  -- "<seq>" alone means accepted
   return {0, step, count, 0}
+end
+-- sealed (seal.lua: its sync job finished at that step): no round will ever be taken again
+if st.sealed then
+  drop_payload()
+  return {-4, step, count, 0, st.sealed}
 end
 if count > 0 and st.rshape and st.rshape ~= ARGV[4] then
   return refuse(-1, st.rshape)

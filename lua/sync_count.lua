@@ -2,45 +2,46 @@
 -- lost reply is recognised by its push id.
 -- KEYS[1] stats hash (accsync:{tag}:st)
 -- ARGV[1] worker id  ARGV[2] push id (hex)  ARGV[3] its outcome: '' (every tensor accepted)
---         | 'stale' | 'partial'
+--         | 'stale' | 'partial' | 'none' (not a push: it met the end of the job)
 -- Writes 'pushes' (and 'stale' | 'partial') for the job and 'w:<id>:pushes|stale|partial',
 -- 'w:<id>:push' (this push id), 'w:<id>:push_as' (the outcome it is counted as) and
 -- 'w:<id>:seen_ms' (server time) for the worker.
 -- The worker counts a push in the round trip of its applies, before it knows their outcome,
 -- as '' (the common case); a call again with the same push id and another outcome amends the
--- count (moves it from one outcome's counters to the other's).
+-- count (moves it from one outcome's counters to the other's, or out: 'none').
 -- Returns 1 when counted, 2 when amended, 0 when this push id was counted so already.
 -- Every input and permission is checked before the first write.
 local what = ARGV[3]
 if not (string.sub(KEYS[1], -3) == ':st' and type(ARGV[1]) == 'string' and #ARGV[1] > 0
     and type(ARGV[2]) == 'string' and string.find(ARGV[2], '^%x+$')
-    and (what == '' or what == 'stale' or what == 'partial')) then
+    and (what == '' or what == 'stale' or what == 'partial' or what == 'none')) then
   return acc_error('BADARG sync_count')
 end
 local err = check_acl({{'HMGET', KEYS[1]}, {'HSET', KEYS[1]}, {'HINCRBY', KEYS[1]}})
 if err then return err end
 local p = 'w:' .. ARGV[1] .. ':'
+
+-- add `by` to the counters of a push counted as `outcome`
+local function add(outcome, by)
+  if outcome == 'none' then return end
+  redis.call('HINCRBY', KEYS[1], 'pushes', by)
+  redis.call('HINCRBY', KEYS[1], p .. 'pushes', by)
+  if outcome ~= '' then
+    redis.call('HINCRBY', KEYS[1], outcome, by)
+    redis.call('HINCRBY', KEYS[1], p .. outcome, by)
+  end
+end
+
 local last = redis.call('HMGET', KEYS[1], p .. 'push', p .. 'push_as')
 if last[1] == ARGV[2] then
   local was = last[2] or ''
   if was == what then return 0 end
-  if was ~= '' then
-    redis.call('HINCRBY', KEYS[1], was, -1)
-    redis.call('HINCRBY', KEYS[1], p .. was, -1)
-  end
-  if what ~= '' then
-    redis.call('HINCRBY', KEYS[1], what, 1)
-    redis.call('HINCRBY', KEYS[1], p .. what, 1)
-  end
+  add(was, -1)
+  add(what, 1)
   redis.call('HSET', KEYS[1], p .. 'push_as', what)
   return 2
 end
 redis.call('HSET', KEYS[1], p .. 'push', ARGV[2], p .. 'push_as', what,
   p .. 'seen_ms', int_str(now_ms()))
-redis.call('HINCRBY', KEYS[1], 'pushes', 1)
-redis.call('HINCRBY', KEYS[1], p .. 'pushes', 1)
-if what ~= '' then
-  redis.call('HINCRBY', KEYS[1], what, 1)
-  redis.call('HINCRBY', KEYS[1], p .. what, 1)
-end
+add(what, 1)
 return 1

@@ -398,6 +398,26 @@ def test_keys_helper_recognises_only_own_blob_keys():
         assert k.entry_keys(bad_entry) is None, bad_entry
 
 
+@pytest.mark.parametrize("case", ["state key", "step", "schema"])
+def test_the_seal_refuses_garbage_before_any_write(target, case):
+    """``lua/seal.lua`` (a finished sync job's accumulators) checks its key and input."""
+    acc = accumulator.ConditionalAccumulator(np.float32, (2,), shared_name="to-seal",
+                                             client=target.client())  # fmt: skip
+    keys, args = [acc._keys.state], [acc._schema, "7"]
+    if case == "state key":
+        keys = [acc._keys.grads]
+    elif case == "step":
+        args[1] = "7.5"
+    else:
+        args[0] = 99
+    r = target.redis()
+    before = snapshot(r)
+    with pytest.raises(accumulator.AccumulatorError, match="BADARG|BADKEY|schema"):
+        _scripts.call(r, "seal", keys, args)
+    assert snapshot(r) == before
+    acc.close()
+
+
 @pytest.mark.parametrize("case", ["stats key", "outcome", "counter name", "push id", "worker"])
 def test_the_push_count_refuses_garbage_before_any_write(target, case):
     """A sync worker's push count (``lua/sync_count.lua``) checks its input before writing: an

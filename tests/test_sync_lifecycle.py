@@ -157,6 +157,87 @@ def test_push_into_a_finished_job_is_refused(target):
     ps.close()
 
 
+@pytest.mark.parametrize("how", ["final step", "finish"])
+def test_a_push_after_the_end_from_a_worker_that_has_not_pulled_applies_nothing(target, how):
+    """The worker pulled before the job finished: its push makes no look at the job first,
+    the sealed accumulators refuse it (TrainingFinished, nothing applied, not counted); a
+    push for an earlier step is still dropped as stale."""
+    ps = ParameterServer("pe", replicas_to_aggregate=1, sparse={"emb"}, client=target.client())
+    ps.initialize(_params())
+    late = Worker("pe", client=target.client(), worker_id="late")
+    other = Worker("pe", client=target.client(), worker_id="other")
+    step, params = late.pull(timeout=5)
+    other.pull(timeout=5)
+    if how == "final step":
+        other.push(step, _grad(params, step, 1))
+        assert ps.step(LR, timeout=5, final=True) == 1
+    else:
+        ps.finish()
+    final = ps.global_step
+    before = ps.stats()
+    with pytest.raises(TrainingFinished, match="nothing was applied"):
+        late.push(final, _grad(params, final, 0))
+    r = target.redis()
+    for name in ("w", "emb", "b"):
+        state = Keys("", accumulator_name("pe", name)).state
+        assert int(r.hget(state, "count")) == 0 and int(r.hget(state, "sealed")) == final
+    after = ps.stats()
+    assert (after.pushes, after.stale) == (before.pushes, before.stale)
+    assert "late" not in after.workers or after.workers["late"].pushes == 0
+    if final > 0:
+        assert late.push(0, _grad(params, 0, 0)) == {"w": False, "emb": False, "b": False}
+    with pytest.raises(TrainingFinished):
+        late.pull(after=step, timeout=5)
+    for w in (late, other):
+        w.close()
+    ps.close()
+
+
+def test_a_chief_started_on_a_finished_job_seals_what_the_dead_one_did_not(target):
+    """The chief died between its final publish and the seal: pushes went in unrefused until
+    a chief is started on the job again, whose initialize() seals the accumulators."""
+    ps = ParameterServer("reseal", replicas_to_aggregate=1, sparse={"emb"},
+                         client=target.client())  # fmt: skip
+    ps.initialize(_params())
+    ps.finish()
+    ps.close()
+    r = target.redis()
+    states = [Keys("", accumulator_name("reseal", n)).state for n in ("w", "emb", "b")]
+    for state in states:
+        r.hdel(state, "sealed")
+    again = ParameterServer("reseal", replicas_to_aggregate=1, sparse={"emb"},
+                            client=target.client())  # fmt: skip
+    assert again.initialize(_params()) == 0 and again.finished
+    assert [r.hget(state, "sealed") for state in states] == [b"0"] * 3
+    worker = Worker("reseal", client=target.client())
+    worker.pull(timeout=5)
+    worker._finished = False  # as a worker that pulled before the end
+    with pytest.raises(TrainingFinished, match="nothing was applied"):
+        worker.push(0, _grad(_params(), 0, 0))
+    worker.close()
+    again.close()
+
+
+def test_a_sealed_accumulator_refuses_raw_applies_but_drops_stale_ones(target):
+    """``apply_grad`` on an accumulator of a finished sync job: FailedPreconditionError,
+    nothing written; a stale one is dropped as stale, as always."""
+    ps = ParameterServer("raw", replicas_to_aggregate=1, client=target.client())
+    ps.initialize({"w": np.zeros(3)}, step=4)
+    ps.finish()
+    acc = accumulator.ConditionalAccumulator(np.float64, (3,), shared_name=accumulator_name(
+        "raw", "w"), client=target.client())  # fmt: skip
+    r = target.redis()
+    before = r.hgetall(acc._keys.state)
+    with pytest.raises(accumulator.FailedPreconditionError, match="sealed") as info:
+        acc.apply_grad(np.ones(3), local_step=4)
+    assert info.value.final_step == 4
+    assert r.hgetall(acc._keys.state) == before
+    assert acc.apply_grad(np.ones(3), local_step=3) is False
+    assert acc.num_accumulated() == 0
+    acc.close()
+    ps.close()
+
+
 # -- one chief per job --------------------------------------------------------------------------
 
 

@@ -19,8 +19,9 @@ from .. import _admin, _chunks, _retry, _scripts
 from .._connection import Client, is_cluster
 from .._errors import DeadlineExceededError, NotFoundError
 from .._keys import Keys, is_done_mark
+from .._requests import Call
 from .._stream import write_parts
-from .._together import run_together
+from .._together import call_step, run_together
 from ._job import TrainingFinished, _Job, _text, accumulator_name
 from ._lease import CHIEF_LEASE_SECONDS, _ChiefLease, chief_key
 from ._params import Update, apply_update, specs_for, zero_grad
@@ -145,7 +146,8 @@ class ParameterServer(_Job):
         parameter names, kinds, dtypes and shapes is resumed instead: its published values
         and step win over ``params`` (a restarted chief continues where it stopped; see the
         module docstring for a chief that died during a step). A *finished* job is not
-        restarted: its final parameters and step are loaded, nothing is written, and
+        restarted: its final parameters and step are loaded, nothing is written (but the
+        seal of its accumulators, see :meth:`finish`), and
         :attr:`finished` is True (``step()`` then raises :class:`TrainingFinished`). With
         ``resume=False`` everything of an earlier job of this name is deleted first, finished
         or not: its parameters, counters, and its accumulators with their pending gradients
@@ -189,11 +191,17 @@ class ParameterServer(_Job):
         return self._step
 
     def _load_finished(self, published: Published) -> int:
-        """A finished job stays finished: load its final state, write nothing."""
-        self._close_accumulators()
+        """A finished job stays finished: load its final state, write nothing but the seal of
+        its accumulators (a chief that died between its final publish and the seal left
+        them open to pushes)."""
         self._specs = list(published.specs)
         self._params, self._run, self._step = published.params, published.run, published.step
         self._taken, self._done = {}, True
+        self._open_accumulators(published.specs, published.reduction)
+        try:
+            self._seal()
+        finally:
+            self._close_accumulators()
         logger.info(
             "sync job %r is finished (at step %d): not restarted; its final parameters are "
             "loaded (initialize(resume=False) starts the job anew)", self.job, published.step,
@@ -435,19 +443,34 @@ class ParameterServer(_Job):
         self._step += 1
         self._publish(done=final)
         self._done = bool(final)
+        if final:
+            self._seal()
         return self._step
 
     def finish(self) -> None:
         """Mark the job finished: workers waiting in ``pull(after=...)`` get
-        :class:`TrainingFinished` once they have seen the last step. No-op on a finished
-        job."""
+        :class:`TrainingFinished` once they have seen the last step, and the job's
+        accumulators are sealed: a push at or after the final step (from a worker that has
+        not pulled since) raises :class:`TrainingFinished` and applies nothing. On a finished
+        job it only seals again (in case the call that finished it could not)."""
         if self._step is None:
             raise RuntimeError("call initialize() first")
-        if self._done:
-            return
-        self._lease.check(renew=False)
-        self._publish(done=True)
-        self._done = True
+        if not self._done:
+            self._lease.check(renew=False)
+            self._publish(done=True)
+            self._done = True
+        self._seal()  # (again: a seal the last call could not finish)
+
+    def _seal(self) -> None:
+        """Seal every accumulator of the finished job (``lua/seal.lua``, in one round trip):
+        from now on an apply that is not stale is refused, so a worker that pushes before
+        it has seen the end gets :class:`TrainingFinished` and applies nothing."""
+        calls = [(acc, call_step(Call("sealing the finished job's accumulators", "seal",
+                                      [acc._keys.state], [acc._schema, self._step])))
+                 for acc in self._accs.values()]  # fmt: skip
+        failed = next((value for ok, value in run_together(calls) if not ok), None)
+        if failed is not None:
+            raise failed
 
     def delete(self) -> None:
         """Remove every key of this job: parameters, counters, the chief lease and the

@@ -20,10 +20,10 @@ from .. import _retry, _scripts
 from .._codec import scalar_int
 from .._connection import Client
 from .._dense import ConditionalAccumulator
-from .._errors import DeadlineExceededError
+from .._errors import DeadlineExceededError, FailedPreconditionError
 from .._requests import Call, Ops
 from .._sparse import SparseConditionalAccumulator
-from .._together import run_together
+from .._together import call_step, run_together
 from ._job import TrainingFinished, Version, _Job
 from ._published import Published, decode_announcement
 from ._push import validated_push
@@ -32,11 +32,6 @@ logger = logging.getLogger("accumulator.sync")
 
 #: Longest sleep of a waiting worker between two looks at the published step.
 POLL_SLICE = 1.0
-
-
-def _call_ops(call: Call) -> Ops[Any]:
-    """One script call as a protocol step (made alongside the applies of a push)."""
-    return (yield call)
 
 
 def _apply_ops(
@@ -237,13 +232,11 @@ class Worker(_Job):
             raise ValueError(f"push needs gradients for exactly {sorted(names)}, "
                              f"got {sorted(grads)}")  # fmt: skip
         step = scalar_int(step, "step")
-        _, published, done = self._io(
-            "reading the published step",
-            lambda: self.redis.hmget(self.keys.params, ["run", "step", "done"]),
-        )
-        if done == b"1" and published is not None and step >= int(published):
+        # Finished since the last pull, the job's accumulators are sealed: the applies below
+        # are refused (lua/seal.lua).
+        if self._finished and self._step is not None and step >= self._step:
             raise TrainingFinished(
-                f"sync job {self.job!r} finished at step {int(published)}: a push at step "
+                f"sync job {self.job!r} finished at step {self._step}: a push at step "
                 f"{step} would never be taken; nothing was applied"
             )
         prepared = validated_push(self.job, self._specs, self._accs, grads)
@@ -272,11 +265,15 @@ class Worker(_Job):
             outcomes = run_together([
                 *((acc, _apply_ops(acc, prepared[spec.name], step))
                   for spec, acc in ((s, self._accs[s.name]) for s in todo)),
-                (self._accs[names[0]], _call_ops(count)),
+                (self._accs[names[0]], call_step(count)),
             ], applied)  # fmt: skip
         except BaseException:  # interrupted: what is known to be applied is remembered
             self._partial = (step, dict(result), push_id)
             raise
+        sealed = next((value for ok, value in outcomes
+                       if not ok and isinstance(value, FailedPreconditionError)), None)  # fmt: skip
+        if sealed is not None:
+            raise self._finished_push(step, push_id, sealed, result)
         failed = next((value for ok, value in outcomes if not ok), None)
         if failed is not None:
             self._partial = (step, dict(result), push_id)
@@ -298,6 +295,29 @@ class Worker(_Job):
             self._io(amend.what,
                      lambda: _scripts.call(self.redis, amend.name, amend.keys, amend.args))
         return result
+
+    def _finished_push(
+        self, step: int, push_id: str, sealed: FailedPreconditionError, result: dict[str, bool]
+    ) -> TrainingFinished:
+        """The job finished since this worker's last pull: its accumulators are sealed. The
+        push is not counted (its count, made before, is amended to 'none')."""
+        self._partial = None
+        try:
+            amend = self._count_call(push_id, "none")
+            self._io(amend.what,
+                     lambda: _scripts.call(self.redis, amend.name, amend.keys, amend.args))
+        except Exception:  # noqa: BLE001 - a counter: the push's outcome is what matters
+            logger.warning("sync job %r: could not take back the count of a push into the "
+                           "finished job", self.job, exc_info=True)  # fmt: skip
+        applied = sorted(name for name, ok in result.items() if ok)
+        where = (f"{', '.join(applied)} went into rounds that will never be taken (the job "
+                 "finished while they were applied)" if applied else "nothing was applied")
+        error = TrainingFinished(
+            f"sync job {self.job!r} finished at step {sealed.final_step}: a push at step "
+            f"{step} would never be taken; {where}"
+        )  # fmt: skip
+        error.__cause__ = sealed
+        return error
 
     def _count_call(self, push_id: str, what: str) -> Call:
         """The ``lua/sync_count.lua`` call counting this worker's push ``push_id`` with the
