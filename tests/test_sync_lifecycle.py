@@ -205,10 +205,14 @@ def test_a_chief_started_on_a_finished_job_seals_what_the_dead_one_did_not(targe
     states = [Keys("", accumulator_name("reseal", n)).state for n in ("w", "emb", "b")]
     for state in states:
         r.hdel(state, "sealed")
+    from accumulator import _admin
+
+    _admin.delete(r, accumulator_name("reseal", "b"), "")
     again = ParameterServer("reseal", replicas_to_aggregate=1, sparse={"emb"},
                             client=target.client())  # fmt: skip
     assert again.initialize(_params()) == 0 and again.finished
-    assert [r.hget(state, "sealed") for state in states] == [b"0"] * 3
+    assert [r.hget(state, "sealed") for state in states[:2]] == [b"0"] * 2
+    assert not r.exists(states[2])  # a deleted one is not made again
     worker = Worker("reseal", client=target.client())
     worker.pull(timeout=5)
     worker._finished = False  # as a worker that pulled before the end

@@ -197,11 +197,14 @@ class ParameterServer(_Job):
         self._specs = list(published.specs)
         self._params, self._run, self._step = published.params, published.run, published.step
         self._taken, self._done = {}, True
-        self._open_accumulators(published.specs, published.reduction)
-        try:
-            self._seal()
-        finally:
-            self._close_accumulators()
+        self._close_accumulators()
+        for spec in published.specs:  # (not opened: that would create a deleted one again)
+            state = Keys(self.container, accumulator_name(self.job, spec.name)).state
+            schema = self._io("reading an accumulator", lambda: self.redis.hget(state, "schema"))  # noqa: B023
+            if schema is not None:
+                args = [schema, published.step]
+                self._io("sealing the finished job's accumulators",
+                         lambda: _scripts.call(self.redis, "seal", [state], args))  # fmt: skip  # noqa: B023
         logger.info(
             "sync job %r is finished (at step %d): not restarted; its final parameters are "
             "loaded (initialize(resume=False) starts the job anew)", self.job, published.step,
