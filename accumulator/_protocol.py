@@ -424,7 +424,7 @@ def take(
             elif not (yield Listen(queue, max(wait, 0.001))):
                 yield Unsubscribe(queue)
                 queue = None
-        claim = read_claim(acc, entries, claim_key)
+        claim = read_claim(acc, entries, claim_key, reply[4] if len(reply) > 4 else None)
         try:
             result = yield from decode(claim)  # reads the payloads as it goes
         except AccumulatorError as exc:
@@ -567,17 +567,25 @@ def take_script_args(
     return keys, args
 
 
-def read_claim(acc: AccumulatorModel, entries: list[bytes], claim_key: str) -> Claim:
-    """The claimed round (its payloads are read on demand, in chunks)."""
+def read_claim(
+    acc: AccumulatorModel, entries: list[bytes], claim_key: str, payloads: list[Any] | None = None
+) -> Claim:
+    """The claimed round (its payloads are read on demand, in chunks). ``payloads``: those
+    the take script sent along (``payloads[i]`` is entry ``i``'s, or None): not read again."""
     step, count, nbytes, round_shape = _parse_header(entries[0])
     sources: list[Source] = []
-    for entry in entries[1:]:
+    sent_keys: list[bytes] = []  # the keys of payloads that came with the claim
+    for i, entry in enumerate(entries[1:]):
         keys = acc._keys.entry_keys(entry)
         if keys is None:  # the take script checked every entry: this is not ours to follow
             raise AccumulatorError(f"corrupt entry in claim {claim_key}: {entry[:100]!r}")
+        sent = payloads[i] if payloads is not None and i < len(payloads) else None
         if entry[:1] == b"i":
             sources.append(entry[1:])
+        elif sent is not None and len(keys) == 1:
+            sources.append(sent)
+            sent_keys += keys
         else:  # a gradient being folded into the sum holds its parts from k on
             sources.append([None] * acc._keys.entry_first_part(entry) + list(keys))
     # count (the header's) is the number of gradients: a sum kept in Redis holds several
-    return Claim(step, count, round_shape, nbytes, ClaimReader(sources, claim_key))
+    return Claim(step, count, round_shape, nbytes, ClaimReader(sources, claim_key, sent_keys))

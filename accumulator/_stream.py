@@ -31,14 +31,18 @@ class ClaimReader:
     """Reads the payloads of one claimed round (sans-I/O: its methods are protocol steps,
     generators of ``_requests``; reads are idempotent, so the drivers retry them)."""
 
-    def __init__(self, sources: Sequence[Source], claim_key: str) -> None:
+    def __init__(
+        self, sources: Sequence[Source], claim_key: str, sent_keys: Sequence[bytes] = ()
+    ) -> None:
         self.sources = list(sources)
         self._claim_key = claim_key
+        self._sent_keys = list(sent_keys)  # of payloads that came with the claim (as bytes)
 
     @property
     def keys(self) -> list[bytes]:
         """Every payload key the round names (freed once the take is finished)."""
-        return [key for s in self.sources if isinstance(s, list) for key in s if key is not None]
+        held = [key for s in self.sources if isinstance(s, list) for key in s if key is not None]
+        return self._sent_keys + held
 
     def _missing(self, key: bytes) -> AccumulatorError:
         return AccumulatorError(

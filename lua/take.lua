@@ -9,10 +9,11 @@
 -- ARGV[7] claim lease ms  ARGV[8] claim lease: extra ms per MiB of payload
 -- ARGV[9] m, then m pairs ARGV[10..]: a spread entry the client checked (the reply {2, ...}
 --         below) and its payload length, or why it is unusable ('missing', 'part 3 length 5')
--- Returns {1, claim, quarantined, adopted} where claim = {header, entry...}, header =
+-- Returns {1, claim, quarantined, adopted, payloads} where claim = {header, entry...}, header =
 -- "<new step> <count> <payload bytes> <gen> <0|1> <round shape>" (1 when a round shape is
 -- recorded) and adopted = 1 when the claim is one a taker that is gone left behind (its step
--- was advanced then; the round is handed over as it was); or {0, is_head, quarantined} when
+-- was advanced then; the round is handed over as it was) and payloads those of its entries
+-- held in one key each, up to a chunk in all (see with_payloads); or {0, is_head, quarantined} when
 -- it must wait; or {2, entries} when it would claim but the round holds spread entries the
 -- client has not checked (their parts are in other slots): the client checks those parts
 -- (STRLEN) and calls again with the lengths, so that a claim never holds a missing part.
@@ -54,12 +55,35 @@ err = check_acl({{'UNLINK', claim}, {'UNLINK', some_blob}, {'HSET', state},
   {'MGET', some_blob}, {'PEXPIRE', some_blob}, {'PERSIST', some_blob}, {'STRLEN', some_blob},
   {'HSET', KEYS[9]}, {'HDEL', KEYS[9]}, {'HGETALL', KEYS[9]}, {'EXISTS', claim},
   {'RENAME', claim}, {'LRANGE', grads}, {'ZCARD', takers}, {'ZRANGE', takers},
-  {'ZSCORE', takers}, {'HGET', info_key}, {'HGET', state}, {'TIME'}, {'ZADD', KEYS[10]}})
+  {'ZSCORE', takers}, {'HGET', info_key}, {'HGET', state}, {'TIME'}, {'ZADD', KEYS[10]},
+  {'GET', some_blob}})
 if err then return err end
+
+-- The payloads of a claim's entries held in one key each, SOLE bytes of them at most (a
+-- chunk): the taker then reads nothing more (it frees their keys with the finish, as it does
+-- the others'). payloads[i] is entries[i + 1]'s, false where not included.
+local function with_payloads(entries, quarantined, adopted)
+  local payloads, budget = {}, SOLE
+  for i = 2, #entries do
+    local entry, value = entries[i], false
+    if string.sub(entry, 1, 1) ~= 'i' and entry_first_part(entry) == 0 then
+      local keys = entry_keys(base, entry)
+      if keys and #keys == 1 then
+        local len = redis.call('STRLEN', keys[1])
+        if len > 0 and len <= budget then
+          value = redis.call('GET', keys[1])
+          budget = budget - len
+        end
+      end
+    end
+    payloads[i - 1] = value
+  end
+  return {1, entries, quarantined, adopted, payloads}
+end
 
 -- A retry of a take that already claimed (the reply was lost): hand out the same round.
 if redis.call('EXISTS', claim) == 1 then
-  return {1, redis.call('LRANGE', claim, 0, -1), 0, 0}
+  return with_payloads(redis.call('LRANGE', claim, 0, -1), 0, 0)
 end
 
 local now = now_ms()
@@ -125,7 +149,7 @@ if not queued and redis.call('EXISTS', KEYS[9]) == 1 then
       redis.call('HINCRBY', state, 'n_adopted', 1)
       leave_fifo()
       touch(state, {state, takers, info_key, KEYS[9]}, st.ttl)
-      return {1, entries, 0, 1}
+      return with_payloads(entries, 0, 1)
     end
   end
 end
@@ -229,4 +253,4 @@ redis.call('HSET', state, 'count', 0, 'bytes', 0, 'last_take_ms', int_str(now),
 redis.call('HDEL', state, 'rshape')
 leave_fifo()
 touch(state, {state, takers, info_key, KEYS[9]}, st.ttl)
-return {1, entries, quarantined, 0}
+return with_payloads(entries, quarantined, 0)

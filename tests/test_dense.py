@@ -266,6 +266,25 @@ def test_a_woken_take_claims_in_the_round_trip_of_its_wait(real, monkeypatch):
         np.testing.assert_array_equal(result[0], np.full(SMALL, step, np.float32))
     assert len(sends) == 3
 
+@pytest.mark.parametrize("elements", [16 << 10, 80 << 10], ids=["64KiB", "320KiB"])
+def test_a_claim_brings_its_small_payloads_along(real, sends, elements):
+    """Payloads in one key each come in the take script's reply, a chunk of them at most:
+    4 x 64 KiB gradients are taken in 2 round trips (claim, finish), not 3; of 4 x 320 KiB,
+    three come along and the fourth is read. Their keys are freed all the same."""
+    acc = make(real, "along", shape=(elements,))
+    grads = [np.full(elements, k + 1, np.float32) for k in range(4)]
+    for step in range(2):  # the first round loads the scripts
+        for g in grads:
+            acc.apply_grad(g, local_step=step)
+        sends[0] = 0
+        np.testing.assert_array_equal(acc.take_grad(4), np.full(elements, 2.5, np.float32))
+    if real.kind != "cluster":  # (a cluster spreads large payloads over slots)
+        read = acc.sums_in_redis or elements == 16 << 10  # one sum of 4, or all four fit
+        assert sends[0] == (2 if read else 3)
+    assert [k for k in keys_of(real, acc) if b":b:" in k] == []
+    acc.close()
+
+
 def test_a_woken_take_whose_script_was_flushed_meanwhile_still_claims(real, monkeypatch):
     """The take script behind the wait meets NOSCRIPT (a restarted or flushed server): the
     take makes the call again the ordinary way, which loads it."""
