@@ -4,6 +4,7 @@ gradients, updates and publishes; a restarted chief resumes the published job.""
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import socket
@@ -198,13 +199,7 @@ class ParameterServer(_Job):
         self._params, self._run, self._step = published.params, published.run, published.step
         self._taken, self._done = {}, True
         self._close_accumulators()
-        for spec in published.specs:  # (not opened: that would create a deleted one again)
-            state = Keys(self.container, accumulator_name(self.job, spec.name)).state
-            schema = self._io("reading an accumulator", lambda: self.redis.hget(state, "schema"))  # noqa: B023
-            if schema is not None:
-                args = [schema, published.step]
-                self._io("sealing the finished job's accumulators",
-                         lambda: _scripts.call(self.redis, "seal", [state], args))  # fmt: skip  # noqa: B023
+        self._seal_stored(published.specs, published.step)
         logger.info(
             "sync job %r is finished (at step %d): not restarted; its final parameters are "
             "loaded (initialize(resume=False) starts the job anew)", self.job, published.step,
@@ -474,6 +469,23 @@ class ParameterServer(_Job):
         failed = next((value for ok, value in run_together(calls) if not ok), None)
         if failed is not None:
             raise failed
+
+    def _seal_stored(self, specs: list[ParamSpec], step: int) -> None:
+        """Seal the job's accumulators that exist, without opening them (that would create a
+        deleted one again): their schemas in one pipeline, then ``lua/seal.lua`` each."""
+        states = [Keys(self.container, accumulator_name(self.job, s.name)).state for s in specs]
+
+        def schemas() -> list[Any]:
+            pipe = self.redis.pipeline(transaction=False)
+            for state in states:
+                pipe.hget(state, "schema")
+            return pipe.execute()
+
+        for state, schema in zip(states, self._io("reading the accumulators", schemas),
+                                 strict=True):  # fmt: skip
+            if schema is not None:
+                seal = functools.partial(_scripts.call, self.redis, "seal", [state], [schema, step])
+                self._io("sealing the finished job's accumulators", seal)
 
     def delete(self) -> None:
         """Remove every key of this job: parameters, counters, the chief lease and the
