@@ -97,6 +97,9 @@ class Info:
     definition_error: str | None = field(default=None)
     max_pending_bytes: int | None = None  # the pending-bytes limit (None: set by no opener)
     quarantined: int = 0  # entries in the quarantine list now (``describe`` only)
+    #: the final step of the finished sync job it belongs to (applies that are not stale are
+    #: refused); None: not sealed
+    sealed: int | None = None
 
     @property
     def name(self) -> str:
@@ -204,6 +207,7 @@ def _info(
         last_take_wait_ms=_int(state.get(b"last_take_wait_ms"), None),
         definition_error=def_error,
         max_pending_bytes=_int(state.get(b"maxbytes"), None),
+        sealed=_int(state.get(b"sealed"), None),
         **stats,
         **extra,
     )

@@ -172,6 +172,9 @@ def render_show(info: _admin.Info, prev: _admin.Info | None = None) -> list[str]
     ]
     if info.detailed:
         head.append(("stored", storage))
+    if info.sealed is not None:
+        head.append(("sealed", f"its sync job finished at step {info.sealed}: applies that "
+                               "are not stale are refused"))  # fmt: skip
     if info.schema not in map(str, SCHEMAS):
         speaks = " and ".join(map(str, SCHEMAS))
         head.append(("key schema", f"{info.schema} (this library speaks {speaks})"))

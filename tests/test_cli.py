@@ -834,3 +834,18 @@ def test_job_as_the_sync_role(real: Target) -> None:
         for w in workers:
             w.close()
         ps.close()
+
+
+def test_show_says_an_accumulator_is_sealed(real):
+    """A finished sync job's accumulators are sealed: ``show`` says so (and its JSON)."""
+    from accumulator.sync import ParameterServer, accumulator_name
+
+    ps = ParameterServer("shown", replicas_to_aggregate=1, client=real.client())
+    ps.initialize({"w": np.zeros(SHAPE, np.float32)}, step=3)
+    name = accumulator_name("shown", "w")
+    assert "sealed" not in ok(cli("show", name, "--url", real.url))
+    ps.finish()
+    text = ok(cli("show", name, "--url", real.url))
+    assert re.search(r"sealed\s+its sync job finished at step 3: applies that are not stale", text)
+    assert json.loads(ok(cli("show", name, "--json", "--url", real.url)))["sealed"] == 3
+    ps.close()
