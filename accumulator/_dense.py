@@ -37,6 +37,10 @@ class DenseOps(AccumulatorModel):
     def _apply_grad_ops(self, grad: Any, local_step: Any) -> Ops[bool]:
         step = scalar_int(local_step, "local_step")
         arr = self._checked(grad)
+        return (yield from self._apply_wire_ops(arr, step))
+
+    def _apply_wire_ops(self, arr: np.ndarray, step: int) -> Ops[bool]:
+        """The apply of a gradient :meth:`_checked` already (the wire array)."""
         code, round_shape = yield from apply(self, arr, shape_token(arr.shape), step)
         if code == -1:
             raise InvalidArgumentError(

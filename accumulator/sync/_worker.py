@@ -42,7 +42,7 @@ def _apply_ops(
     if isinstance(acc, SparseConditionalAccumulator):
         indices, values = prepared
         return acc._apply_grad_ops(indices, values, None, step)
-    return acc._apply_grad_ops(prepared[0], step)
+    return acc._apply_wire_ops(prepared[0], step)  # checked and converted already
 
 
 class Worker(_Job):
