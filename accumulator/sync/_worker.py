@@ -291,9 +291,7 @@ class Worker(_Job):
         self.accepted += n_ok
         self.dropped += len(result) - n_ok
         if n_ok < len(result):  # amend the count, made as "all accepted"
-            amend = self._count_call(push_id, "stale" if n_ok == 0 else "partial")
-            self._io(amend.what,
-                     lambda: _scripts.call(self.redis, amend.name, amend.keys, amend.args))
+            self._amend_count(push_id, "stale" if n_ok == 0 else "partial")
         return result
 
     def _finished_push(
@@ -303,9 +301,7 @@ class Worker(_Job):
         push is not counted (its count, made before, is amended to 'none')."""
         self._partial = None
         try:
-            amend = self._count_call(push_id, "none")
-            self._io(amend.what,
-                     lambda: _scripts.call(self.redis, amend.name, amend.keys, amend.args))
+            self._amend_count(push_id, "none")
         except Exception:  # noqa: BLE001 - a counter: the push's outcome is what matters
             logger.warning("sync job %r: could not take back the count of a push into the "
                            "finished job", self.job, exc_info=True)  # fmt: skip
@@ -321,9 +317,14 @@ class Worker(_Job):
 
     def _count_call(self, push_id: str, what: str) -> Call:
         """The ``lua/sync_count.lua`` call counting this worker's push ``push_id`` with the
-        outcome ``what`` ('' all accepted, ``stale`` or ``partial``)."""
+        outcome ``what`` ('' all accepted, ``stale``, ``partial``, or ``none``: not counted)."""
         return Call("counting the push", "sync_count", [self.keys.stats],
                     [self.worker_id, push_id, what])  # fmt: skip
+
+    def _amend_count(self, push_id: str, what: str) -> None:
+        """Count the push ``push_id``, counted already, as ``what`` instead (one round trip)."""
+        amend = self._count_call(push_id, what)
+        self._io(amend.what, lambda: _scripts.call(self.redis, amend.name, amend.keys, amend.args))
 
     def close(self) -> None:
         """Stop listening for publishes and release the job's connections."""
