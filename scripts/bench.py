@@ -572,6 +572,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--cluster", action="store_true",
                         help="also: aggregate applies/s over 64 accumulators on 1 vs 3 primaries "
                         "(scripts/_cluster_bench.py)")
+    parser.add_argument("--then", action="store_true",
+                        help="also: issue 9's starting code and today's, alternately, W=4 steps; "
+                        "its recorded TF figures rescaled by how much slower that code runs "
+                        "today (scripts/_then_step.py; needs the git history)")  # fmt: skip
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
     args = parser.parse_args(argv)
     if args.repeat is None:
@@ -655,6 +659,12 @@ def main(argv: list[str] | None = None) -> int:
 
         print()
         cluster_main(["--seconds", "3" if args.quick else "5"])
+    if args.then and not args.url:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from _then_step import main as then_main
+
+        print()
+        then_main(["--rounds", "1" if args.quick else "2"])
     return 0 if all(r.passed for r in rows) else 1
 
 
