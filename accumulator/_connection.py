@@ -16,6 +16,7 @@ from redis.backoff import ExponentialWithJitterBackoff
 from redis.cluster import RedisCluster
 from redis.connection import AbstractConnection, PythonRespSerializer
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 from redis.sentinel import SentinelConnectionPool
@@ -64,11 +65,13 @@ class _Packer:
 
     def __init__(self) -> None:
         self._python = PythonRespSerializer(_BIG_ARG, _encode)
+        self._hiredis: Any = None
         try:
-            import hiredis  # noqa: F401
+            import hiredis
             from redis.connection import HiredisRespSerializer
 
             self._small: Any = HiredisRespSerializer()
+            self._hiredis = hiredis.pack_command
         except ImportError:
             self._small = self._python
 
@@ -78,6 +81,14 @@ class _Packer:
                 if isinstance(arg, memoryview) and arg.format != "B":
                     raise redis.DataError("memoryviews must be cast to bytes ('B')")
                 return cast("list[bytes | memoryview]", self._python.pack(*args))
+        head = args[0]
+        if self._hiredis is not None and type(head) is str and " " not in head:
+            # hiredis packs str, bytes, int, float and memoryviews itself: redis-py's wrapper
+            # (a copy of every argument into a new tuple) costs as much as the packing
+            try:
+                return [self._hiredis(args)]
+            except TypeError:
+                pass  # a bytearray, say: redis-py's wrapper converts it (or says why not)
         return cast("list[bytes | memoryview]", self._small.pack(*args))
 
 
@@ -314,6 +325,44 @@ def connect(client: Client) -> Connections:
 
 #: What ``client=`` accepts: a client, a cluster client, a URL, or None (the default URL).
 Client: TypeAlias = "redis.Redis | RedisCluster | str | None"
+
+
+def pooled(pool: Any, command_name: str) -> Any:
+    """A connection of ``pool`` (redis-py before 5.3 wants the command's name)."""
+    try:
+        return pool.get_connection()
+    except TypeError:
+        return pool.get_connection(command_name)
+
+
+def execute(client: Any, *command: Any) -> Any:
+    """``client.execute_command(*command)``, sent on a pooled connection of a plain client
+    directly: the command sent, its reply read, nothing else.
+
+    redis-py's per-command machinery (its retry wrapper, event and metrics hooks, argument
+    copies) costs ~30 µs of Python per call, as much as a small script's own work; the
+    callers retry through :mod:`._retry` themselves (scripts are idempotent), and a
+    connection that failed mid-command is dropped. An error reply leaves the connection
+    clean. Cluster clients, single-connection clients and connections of other libraries
+    go through ``execute_command``; so does any command whose reply redis-py post-processes
+    (only script calls come here: their replies are returned as read)."""
+    pool = getattr(client, "connection_pool", None)
+    if pool is None or getattr(client, "connection", None) is not None:
+        return client.execute_command(*command)
+    conn = pooled(pool, command[0])
+    if not isinstance(conn, AbstractConnection):
+        pool.release(conn)
+        return client.execute_command(*command)
+    try:
+        conn.send_command(*command)
+        return conn.read_response()
+    except ResponseError:
+        raise
+    except BaseException:
+        conn.disconnect()
+        raise
+    finally:
+        pool.release(conn)
 
 
 def is_cluster(client: Any) -> bool:

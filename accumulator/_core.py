@@ -20,7 +20,15 @@ from redis.exceptions import NoScriptError, ResponseError
 
 from . import _protocol, _retry, _scripts
 from ._cluster_batch import by_node_batch, each, is_script, on_node, per_node
-from ._connection import Client, Connections, connect, is_cluster, is_redirect, moved_error
+from ._connection import (
+    Client,
+    Connections,
+    connect,
+    is_cluster,
+    is_redirect,
+    moved_error,
+    pooled,
+)
 from ._errors import CancelledError
 from ._keys import SCHEMA_VERSION, Keys
 from ._model import AccumulatorModel, server_of
@@ -247,10 +255,7 @@ class AccumulatorBase(AccumulatorModel):
             pool = blocking.get_redis_connection(blocking.get_node_from_key(key)).connection_pool
         else:
             pool = blocking.connection_pool
-        try:
-            conn = pool.get_connection()
-        except TypeError:  # redis-py before 5.3 wants the command name
-            conn = pool.get_connection("BLPOP")
+        conn = pooled(pool, "BLPOP")
         if type(conn).__module__.startswith("fakeredis"):
             # in-process: its connection cannot be cut from another thread; short slices
             # let close() end the wait instead

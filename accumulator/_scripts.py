@@ -18,6 +18,7 @@ from typing import Any
 import redis
 from redis.exceptions import NoPermissionError, NoScriptError, OutOfMemoryError, ResponseError
 
+from ._connection import execute
 from ._errors import (
     AccumulatorError,
     InvalidArgumentError,
@@ -123,7 +124,7 @@ def call(client: redis.Redis, name: str, keys: Sequence[str | bytes], args: Sequ
             return command
         reply, error = None, None
         try:
-            reply = client.execute_command(*command)
+            reply = execute(client, *command)
         except ResponseError as exc:
             error = exc
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import redis
 
-from ._connection import by_node, is_cluster, is_redirect
+from ._connection import by_node, is_cluster, is_redirect, pooled
 
 _RECV = 65536
 
@@ -119,10 +119,7 @@ def _send_gets(client: Any, keys: Sequence[str | bytes]) -> tuple[Any, Any] | No
     pool = getattr(client, "connection_pool", None)
     if pool is None or not keys:
         return None
-    try:
-        conn = pool.get_connection()
-    except TypeError:  # redis-py before 5.3 wants the command name
-        conn = pool.get_connection("GET")
+    conn = pooled(pool, "GET")
     if not isinstance(conn, redis.connection.AbstractConnection):
         pool.release(conn)
         return None
