@@ -365,6 +365,44 @@ def execute(client: Any, *command: Any) -> Any:
         pool.release(conn)
 
 
+def execute_batch(client: Any, commands: Sequence[Sequence[Any]],
+                  raise_on_error: bool) -> list[Any] | None:  # fmt: skip
+    """A pipeline of script calls and SETs (without GET) sent on a pooled connection of a
+    plain client directly (as :func:`execute`): the replies as redis-py's pipeline gives them (error
+    replies as exception objects in the list, or the first one raised after all were read).
+    None when these commands or this client are not for it: the caller uses a pipeline."""
+    pool = getattr(client, "connection_pool", None)
+    if (pool is None or getattr(client, "connection", None) is not None
+            or not all(c[0] == "EVALSHA" or (c[0] == "SET" and "GET" not in c[3:])
+                       for c in commands)):  # fmt: skip
+        return None
+    conn = pooled(pool, "EVALSHA")
+    if not isinstance(conn, AbstractConnection):
+        pool.release(conn)
+        return None
+    replies: list[Any] = []
+    try:
+        conn.send_packed_command(conn.pack_commands(commands))
+        for command in commands:
+            try:
+                reply = conn.read_response()
+            except ResponseError as exc:
+                reply = exc
+            if command[0] == "SET" and reply is not None and not isinstance(reply, Exception):
+                reply = reply == b"OK" or reply == "OK"
+            replies.append(reply)
+    except BaseException:
+        conn.disconnect()
+        raise
+    finally:
+        pool.release(conn)
+    if raise_on_error:
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
+    return replies
+
+
 def is_cluster(client: Any) -> bool:
     """Whether a client talks to a Redis Cluster (``redis.cluster.RedisCluster``)."""
     return isinstance(client, RedisCluster)

@@ -24,6 +24,7 @@ from ._connection import (
     Client,
     Connections,
     connect,
+    execute_batch,
     is_cluster,
     is_redirect,
     moved_error,
@@ -215,6 +216,10 @@ class AccumulatorBase(AccumulatorModel):
                 return on_node(commands, request)
             if self._cluster and any(is_script(c) for c in request.commands):
                 return by_node_batch(commands, request)
+            if not self._cluster:
+                direct = execute_batch(commands, request.commands, request.raise_on_error)
+                if direct is not None:
+                    return direct
             pipe = commands.pipeline(transaction=False)
             for command in request.commands:
                 pipe.execute_command(*command)
