@@ -372,9 +372,7 @@ def execute_batch(client: Any, commands: Sequence[Sequence[Any]],
     replies as exception objects in the list, or the first one raised after all were read).
     None when these commands or this client are not for it: the caller uses a pipeline."""
     pool = getattr(client, "connection_pool", None)
-    if (pool is None or getattr(client, "connection", None) is not None
-            or not all(c[0] == "EVALSHA" or (c[0] == "SET" and "GET" not in c[3:])
-                       for c in commands)):  # fmt: skip
+    if pool is None or getattr(client, "connection", None) is not None or not direct(commands):
         return None
     conn = pooled(pool, "EVALSHA")
     if not isinstance(conn, AbstractConnection):
@@ -385,22 +383,30 @@ def execute_batch(client: Any, commands: Sequence[Sequence[Any]],
         conn.send_packed_command(conn.pack_commands(commands))
         for command in commands:
             try:
-                reply = conn.read_response()
+                replies.append(as_pipeline_reply(command, conn.read_response()))
             except ResponseError as exc:
-                reply = exc
-            if command[0] == "SET" and reply is not None and not isinstance(reply, Exception):
-                reply = reply == b"OK" or reply == "OK"
-            replies.append(reply)
+                replies.append(exc)
     except BaseException:
         conn.disconnect()
         raise
     finally:
         pool.release(conn)
-    if raise_on_error:
-        for reply in replies:
-            if isinstance(reply, Exception):
-                raise reply
-    return replies
+    return raise_first_error(replies) if raise_on_error else replies
+
+
+def direct(commands: Sequence[Sequence[Any]]) -> bool:
+    """Whether a batch may go on a connection directly (:func:`execute_batch`, and the asyncio
+    twin's): script calls and SETs without GET, whose replies :func:`as_pipeline_reply` gives
+    as redis-py's pipeline would."""
+    return all(c[0] == "EVALSHA" or (c[0] == "SET" and "GET" not in c[3:]) for c in commands)
+
+
+def as_pipeline_reply(command: Sequence[Any], reply: Any) -> Any:
+    """A reply as read from the connection, as redis-py's pipeline returns it: SET's OK is
+    True (None stays None: NX refused); every other reply as read."""
+    if command[0] == "SET" and reply is not None:
+        return reply == b"OK" or reply == "OK"
+    return reply
 
 
 def is_cluster(client: Any) -> bool:

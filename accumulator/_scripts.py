@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Generator, Sequence
+from collections.abc import Awaitable, Callable, Generator, Sequence
 from functools import cache
 from importlib import resources
 from pathlib import Path
@@ -129,7 +129,10 @@ def call(client: redis.Redis, name: str, keys: Sequence[str | bytes], args: Sequ
             error = exc
 
 
-async def acall(client: Any, name: str, keys: Sequence[str | bytes], args: Sequence[Any]) -> Any:
+async def acall(
+    client: Any, name: str, keys: Sequence[str | bytes], args: Sequence[Any],
+    execute: Callable[[Any, Sequence[Any]], Awaitable[Any]] | None = None,
+) -> Any:  # fmt: skip
     """Run a script on a ``redis.asyncio`` client (see :func:`steps`)."""
     run = steps(name, keys, args)
     reply: Any = None
@@ -140,7 +143,7 @@ async def acall(client: Any, name: str, keys: Sequence[str | bytes], args: Seque
             return command
         reply, error = None, None
         try:
-            reply = await execute_async(client, command)
+            reply = await (execute or execute_async)(client, command)
         except ResponseError as exc:
             error = exc
 

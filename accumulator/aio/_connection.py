@@ -7,22 +7,29 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
 import redis
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
+from redis.asyncio.connection import AbstractConnection as AsyncAbstractConnection
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff
+from redis.exceptions import ResponseError
 
+from .. import _scripts
 from .._connection import (
     CONNECT_TIMEOUT,
     SOCKET_TIMEOUT,
     WAIT_SLICE,
+    as_pipeline_reply,
     cluster_url,
     default_url,
+    direct,
     node_settings,
+    raise_first_error,
     release,
     url_options,
 )
@@ -101,6 +108,71 @@ def _derive(pool: Any, *, limit: bool, socket_timeout: float) -> aioredis.Redis:
 
 #: What ``client=`` accepts: an asyncio client, an asyncio cluster client, a URL, or None.
 AsyncClient: TypeAlias = "aioredis.Redis | AsyncRedisCluster | str | None"
+
+
+async def pooled(pool: Any, command_name: str) -> Any:
+    """A connection of ``pool`` (redis-py before 5.3 wants the command's name)."""
+    try:
+        return await pool.get_connection()
+    except TypeError:
+        return await pool.get_connection(command_name)
+
+
+def _direct_pool(client: Any) -> Any:
+    pool = getattr(client, "connection_pool", None)
+    if pool is None or getattr(client, "connection", None) is not None:
+        return None
+    return pool
+
+
+async def execute(client: Any, command: Sequence[Any]) -> Any:
+    """The asyncio twin of :func:`accumulator._connection.execute` (script calls on a plain
+    client's pooled connection, directly); anything else through
+    :func:`accumulator._scripts.execute_async`. A cancelled call drops its connection (its
+    reply may still come)."""
+    pool = _direct_pool(client)
+    conn = None if pool is None else await pooled(pool, command[0])
+    if conn is None or not isinstance(conn, AsyncAbstractConnection):
+        if conn is not None:
+            await pool.release(conn)
+        return await _scripts.execute_async(client, command)
+    try:
+        await conn.send_command(*command)
+        return await conn.read_response()
+    except ResponseError:
+        raise
+    except BaseException:
+        await conn.disconnect()
+        raise
+    finally:
+        await pool.release(conn)
+
+
+async def execute_batch(client: Any, commands: Sequence[Sequence[Any]],
+                        raise_on_error: bool) -> list[Any] | None:  # fmt: skip
+    """The asyncio twin of :func:`accumulator._connection.execute_batch`: None when these
+    commands or this client are not for it."""
+    pool = _direct_pool(client)
+    if pool is None or not direct(commands):
+        return None
+    conn = await pooled(pool, "EVALSHA")
+    if not isinstance(conn, AsyncAbstractConnection):
+        await pool.release(conn)
+        return None
+    replies: list[Any] = []
+    try:
+        await conn.send_packed_command(conn.pack_commands(commands))
+        for command in commands:
+            try:
+                replies.append(as_pipeline_reply(command, await conn.read_response()))
+            except ResponseError as exc:
+                replies.append(exc)
+    except BaseException:
+        await conn.disconnect()
+        raise
+    finally:
+        await pool.release(conn)
+    return raise_first_error(replies) if raise_on_error else replies
 
 
 def is_cluster(client: Any) -> bool:

@@ -32,7 +32,16 @@ from .._requests import (
     Unsubscribe,
     advance,
 )
-from ._connection import AsyncClient, AsyncConnections, connect, is_cluster, node_client
+from ._connection import (
+    AsyncClient,
+    AsyncConnections,
+    connect,
+    execute,
+    execute_batch,
+    is_cluster,
+    node_client,
+    pooled,
+)
 
 logger = logging.getLogger("accumulator")
 
@@ -250,8 +259,9 @@ class AccumulatorBase(AccumulatorModel):
         commands = conns.commands
         if isinstance(request, Call):
             name, keys, args = request.name, request.keys, request.args
-            return await self._io(request.what,
-                                  lambda: _scripts.acall(commands, name, keys, args))  # fmt: skip
+            return await self._io(
+                request.what, lambda: _scripts.acall(commands, name, keys, args, execute)
+            )
         if isinstance(request, Command):
             return await self._io(request.what, lambda: commands.execute_command(*request.args))
         if isinstance(request, Batch):
@@ -297,6 +307,10 @@ class AccumulatorBase(AccumulatorModel):
                 return await _per_node(commands, request)
             if is_cluster(commands) and request.node_key is not None:
                 return await _on_node(commands, request)
+            if not is_cluster(commands):
+                direct = await execute_batch(commands, request.commands, request.raise_on_error)
+                if direct is not None:
+                    return direct
             pipe = commands.pipeline(transaction=False)
             for command in request.commands:
                 pipe.execute_command(*command)
@@ -335,10 +349,7 @@ class AccumulatorBase(AccumulatorModel):
         behind the BLPOP (the sync driver's twin: ``accumulator._core``); its reply is
         appended to ``out``, unless the script was not loaded."""
         pool = blocking.connection_pool
-        try:
-            conn = await pool.get_connection()
-        except TypeError:  # redis-py before 5.3 wants the command name
-            conn = await pool.get_connection("BLPOP")
+        conn = await pooled(pool, "BLPOP")
         if type(conn).__module__.startswith("fakeredis"):
             # the in-process double blocks in a helper task that a cut connection strands:
             # poll instead (a wake token is popped the same way)
