@@ -335,6 +335,16 @@ def pooled(pool: Any, command_name: str) -> Any:
         return pool.get_connection(command_name)
 
 
+def direct_pool(client: Any) -> Any:
+    """The pool whose connections a command of ``client`` may be sent on directly (by
+    :func:`execute`, :func:`execute_batch` and their asyncio twins), or None: a cluster client
+    (no pool of its own) or a single-connection client (its one connection)."""
+    pool = getattr(client, "connection_pool", None)
+    if pool is None or getattr(client, "connection", None) is not None:
+        return None
+    return pool
+
+
 def execute(client: Any, *command: Any) -> Any:
     """``client.execute_command(*command)``, sent on a pooled connection of a plain client
     directly: the command sent, its reply read, nothing else.
@@ -346,8 +356,8 @@ def execute(client: Any, *command: Any) -> Any:
     clean. Cluster clients, single-connection clients and connections of other libraries
     go through ``execute_command``; so does any command whose reply redis-py post-processes
     (only script calls come here: their replies are returned as read)."""
-    pool = getattr(client, "connection_pool", None)
-    if pool is None or getattr(client, "connection", None) is not None:
+    pool = direct_pool(client)
+    if pool is None:
         return client.execute_command(*command)
     conn = pooled(pool, command[0])
     if not isinstance(conn, AbstractConnection):
@@ -371,8 +381,8 @@ def execute_batch(client: Any, commands: Sequence[Sequence[Any]],
     plain client directly (as :func:`execute`): the replies as redis-py's pipeline gives them (error
     replies as exception objects in the list, or the first one raised after all were read).
     None when these commands or this client are not for it: the caller uses a pipeline."""
-    pool = getattr(client, "connection_pool", None)
-    if pool is None or getattr(client, "connection", None) is not None or not direct(commands):
+    pool = direct_pool(client)
+    if pool is None or not direct(commands):
         return None
     conn = pooled(pool, "EVALSHA")
     if not isinstance(conn, AbstractConnection):

@@ -28,6 +28,7 @@ from .._connection import (
     cluster_url,
     default_url,
     direct,
+    direct_pool,
     node_settings,
     raise_first_error,
     release,
@@ -118,19 +119,12 @@ async def pooled(pool: Any, command_name: str) -> Any:
         return await pool.get_connection(command_name)
 
 
-def _direct_pool(client: Any) -> Any:
-    pool = getattr(client, "connection_pool", None)
-    if pool is None or getattr(client, "connection", None) is not None:
-        return None
-    return pool
-
-
 async def execute(client: Any, command: Sequence[Any]) -> Any:
     """The asyncio twin of :func:`accumulator._connection.execute` (script calls on a plain
     client's pooled connection, directly); anything else through
     :func:`accumulator._scripts.execute_async`. A cancelled call drops its connection (its
     reply may still come)."""
-    pool = _direct_pool(client)
+    pool = direct_pool(client)
     conn = None if pool is None else await pooled(pool, command[0])
     if conn is None or not isinstance(conn, AsyncAbstractConnection):
         if conn is not None:
@@ -152,7 +146,7 @@ async def execute_batch(client: Any, commands: Sequence[Sequence[Any]],
                         raise_on_error: bool) -> list[Any] | None:  # fmt: skip
     """The asyncio twin of :func:`accumulator._connection.execute_batch`: None when these
     commands or this client are not for it."""
-    pool = _direct_pool(client)
+    pool = direct_pool(client)
     if pool is None or not direct(commands):
         return None
     conn = await pooled(pool, "EVALSHA")
