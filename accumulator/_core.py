@@ -24,12 +24,11 @@ from ._connection import (
     Client,
     Connections,
     connect,
-    execute_batch,
     is_cluster,
     is_redirect,
     moved_error,
-    pooled,
 )
+from ._direct import execute_batch, pooled
 from ._errors import CancelledError
 from ._keys import SCHEMA_VERSION, Keys
 from ._model import AccumulatorModel, server_of

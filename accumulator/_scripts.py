@@ -18,7 +18,7 @@ from typing import Any
 import redis
 from redis.exceptions import NoPermissionError, NoScriptError, OutOfMemoryError, ResponseError
 
-from ._connection import execute
+from ._direct import execute
 from ._errors import (
     AccumulatorError,
     InvalidArgumentError,

@@ -21,7 +21,8 @@ from typing import Any
 
 import redis
 
-from ._connection import by_node, is_cluster, is_redirect, pooled
+from ._connection import by_node, is_cluster, is_redirect
+from ._direct import pooled
 
 _RECV = 65536
 

@@ -25,16 +25,14 @@ from .._connection import (
     CONNECT_TIMEOUT,
     SOCKET_TIMEOUT,
     WAIT_SLICE,
-    as_pipeline_reply,
     cluster_url,
     default_url,
-    direct,
-    direct_pool,
     node_settings,
     raise_first_error,
     release,
     url_options,
 )
+from .._direct import as_pipeline_reply, direct, direct_pool
 
 
 @dataclass
@@ -121,7 +119,7 @@ async def pooled(pool: Any, command_name: str) -> Any:
 
 
 async def execute(client: Any, command: Sequence[Any]) -> Any:
-    """The asyncio twin of :func:`accumulator._connection.execute` (script calls on a plain
+    """The asyncio twin of :func:`accumulator._direct.execute` (script calls on a plain
     client's pooled connection, directly); anything else through
     :func:`accumulator._scripts.execute_async`. A cancelled call drops its connection (its
     reply may still come)."""
@@ -166,7 +164,7 @@ async def _send_pieces(conn: Any, pieces: list[Any]) -> None:
 
 async def execute_batch(client: Any, commands: Sequence[Sequence[Any]],
                         raise_on_error: bool) -> list[Any] | None:  # fmt: skip
-    """The asyncio twin of :func:`accumulator._connection.execute_batch`: None when these
+    """The asyncio twin of :func:`accumulator._direct.execute_batch`: None when these
     commands or this client are not for it."""
     pool = direct_pool(client)
     if pool is None or not direct(commands):
