@@ -124,10 +124,11 @@ async def execute(client: Any, command: Sequence[Any]) -> Any:
     :func:`accumulator._scripts.execute_async`. A cancelled call drops its connection (its
     reply may still come)."""
     pool = direct_pool(client)
-    conn = None if pool is None else await pooled(pool, command[0])
-    if conn is None or not isinstance(conn, AsyncAbstractConnection):
-        if conn is not None:
-            await pool.release(conn)
+    if pool is None:
+        return await _scripts.execute_async(client, command)
+    conn = await pooled(pool, command[0])
+    if not isinstance(conn, AsyncAbstractConnection):
+        await pool.release(conn)
         return await _scripts.execute_async(client, command)
     try:
         await conn.send_command(*command)
