@@ -15,7 +15,15 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from accumulator._reduce import coalesce, dense_reduce, dense_sum, divide, sparse_merge
+from accumulator import _reduce
+from accumulator._reduce import (
+    coalesce,
+    dense_reduce,
+    dense_sum,
+    divide,
+    reduce_into,
+    sparse_merge,
+)
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 FLOATS = [np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64), BF16]
@@ -632,3 +640,24 @@ def test_subnormals_flushed_like_tf_cpu_kernels(dtype):
     # float16 keeps its subnormals, as TF does (it computes them through float32)
     h = np.array([np.finfo(np.float16).smallest_subnormal], np.float16)
     assert dense_reduce([h, h], np.dtype(np.float16), "SUM")[0] == 2 * h[0]
+
+
+@pytest.mark.parametrize(
+    "elements", [8, _reduce._TOGETHER], ids=["looked-at-together", "one-by-one"]
+)
+def test_a_subnormal_in_the_last_gradient_alone_still_flushes(elements):
+    """Whether a block needs flushing is decided from all its inputs: small inputs in one
+    look at their concatenation, larger ones one by one. A single subnormal in the last
+    gradient counts either way (it is read as zero: 1 + sub gives 1, then 1 - 1 gives +0, not
+    the subnormal)."""
+    dt = np.dtype(np.float32)
+    sub = np.finfo(dt).smallest_subnormal
+    grads = [np.zeros(elements, dt) for _ in range(4)]
+    grads[0][-1], grads[1][-1] = 1.0, -1.0
+    grads[3][-1] = sub
+    out = np.empty(elements, dt)
+    reduce_into(out, grads, "SUM")
+    assert out[-1] == 0 and not np.signbit(out[-1])
+    grads[3][-1] = 0  # without it nothing is small: the plain sum
+    reduce_into(out, grads, "SUM")
+    assert out[-1] == 0
