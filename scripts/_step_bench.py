@@ -102,6 +102,15 @@ def _stop(pipes: list[Any], procs: list[Any]) -> None:
 SyncRow = tuple[str, int, float, float | None]  # size, W, sync step ms, accumulator step ms
 
 
+def steps_for(nbytes: int, runs: int) -> int:
+    """Timed steps of one case: ``runs``, 5x that up to 1 MiB (cheap steps, and the noisiest:
+    a median of 7 moved by 30% between runs), a fifth of it above 64 MiB. TF's harness
+    (``_tf_step.py``) has the same rule."""
+    if nbytes <= MiB:
+        return 5 * runs
+    return runs if nbytes <= 64 * MiB else max(2, runs // 5)
+
+
 def run_sync(url: str, sizes: dict[str, int], workers: int, runs: int,
              verbose: bool, tensors: int = 1) -> list[SyncRow]:  # fmt: skip
     """The sync helper's step: every worker pushes, the chief steps (takes, updates,
@@ -133,7 +142,7 @@ def run_sync(url: str, sizes: dict[str, int], workers: int, runs: int,
             acc_pipes, acc_procs = _start(_worker, [(url, name, nbytes, i) for i in range(workers)])
         times: list[float] = []
         base: list[float] = []
-        n_runs = runs if nbytes <= 64 * MiB else max(2, runs // 5)
+        n_runs = steps_for(nbytes, runs)
         for i in range(n_runs + 1):  # the first of each warms up
             if chief is not None:
                 t = time.perf_counter()
@@ -248,7 +257,7 @@ def run_path(url: str, path: str, sizes: dict[str, int], workers: int, runs: int
         want = float(sum(range(1, workers + 1))) / workers
         times: list[float] = []
         held = 0
-        n_runs = runs if nbytes <= 64 * MiB else max(2, runs // 5)
+        n_runs = steps_for(nbytes, runs)
         with _Probe(url) as probe:
             for step in range(n_runs + 1):  # the first one warms up
                 t = time.perf_counter()
@@ -345,7 +354,8 @@ def measure_tf(python: str, sizes: dict[str, int], runs: int,
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--runs", type=int, default=7, help="timed steps per case (default 7)")
+    parser.add_argument("--runs", type=int, default=7,
+                        help="timed steps per case (default 7; x5 up to 1 MiB, /5 above 64 MiB)")
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--large", action="store_true", help="also 256 MiB and 2 GiB")
     parser.add_argument("--sizes", nargs="+", help="only these sizes (e.g. '16 MiB')")

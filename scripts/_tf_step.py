@@ -107,6 +107,14 @@ def _chief(ports: list[int], n: int, name: str, workers: int, runs: int, pipes: 
     out.send(1000 * statistics.median(times))
 
 
+def steps_for(nbytes: int, runs: int) -> int:
+    """Timed steps of one size: the rule of ``_step_bench.steps_for`` (which imports
+    accumulator; this script runs in TensorFlow's Python)."""
+    if nbytes <= 1 << 20:
+        return 5 * runs
+    return runs if nbytes <= 64 << 20 else max(2, runs // 5)
+
+
 def measure(n: int, workers: int, runs: int) -> float:
     """Median step (ms) of one fresh cluster: a ps task, a chief and W workers, each a
     process (one gRPC server per process)."""
@@ -142,7 +150,8 @@ def main() -> int:
     parser.add_argument("--sizes", type=int, nargs="+", required=True, help="bytes")
     parser.add_argument("--runs", type=int, default=7)
     args = parser.parse_args()
-    out = {str(nbytes): measure(nbytes // 4, args.workers, args.runs) for nbytes in args.sizes}
+    out = {str(nbytes): measure(nbytes // 4, args.workers, steps_for(nbytes, args.runs))
+           for nbytes in args.sizes}
     print(json.dumps(out))
     return 0
 
