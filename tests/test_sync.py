@@ -76,6 +76,32 @@ def test_push_take_publish(target):
     ps.close()
 
 
+def test_a_scalar_parameter_stays_a_scalar(target):
+    """A 0-d parameter (a bias, a temperature) keeps shape () on the chief, in the update
+    function, after a step and in the workers' pulls (it became (1,) on the chief once)."""
+    ps = ParameterServer("scalar", replicas_to_aggregate=1, client=target.client())
+    ps.initialize({"b": np.float32(2.0), "w": np.zeros(3, np.float32)}, resume=False)
+    assert ps.params["b"].shape == ()
+    worker = Worker("scalar", client=target.client())
+    step, params = worker.pull(timeout=5)
+    assert params["b"].shape == ()
+    worker.push(step, {"b": np.float32(1.0), "w": np.ones(3, np.float32)})
+    seen = {}
+
+    def update(params, grads, step):
+        seen["shapes"] = (params["b"].shape, np.shape(grads["b"]))
+        params["b"] -= 0.5 * grads["b"]
+        params["w"] -= 0.5 * grads["w"]
+
+    assert ps.step(update, timeout=5) == 1
+    assert seen["shapes"] == ((), ())
+    assert ps.params["b"].shape == () and ps.params["b"] == np.float32(1.5)
+    step, params = worker.pull(after=0, timeout=5)
+    assert params["b"].shape == () and params["b"] == np.float32(1.5)
+    worker.close()
+    ps.close()
+
+
 def test_a_push_is_counted_in_the_round_trip_of_its_applies(real, sends):
     """A steady worker's push of a small model: one pipeline with every tensor's apply and
     the push's count (made as "all accepted" before the outcome is known), no look at the job

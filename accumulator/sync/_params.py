@@ -48,7 +48,7 @@ def specs_for(
             raise ValueError(f"sparse parameter {name!r} needs at least one dimension")
         spec = ParamSpec(name, kind, resolve_dtype(arr.dtype), tuple(arr.shape))
         specs.append(spec)
-        arrays[name] = np.ascontiguousarray(arr, dtype=spec.dtype)
+        arrays[name] = np.asarray(arr, dtype=spec.dtype, order="C")  # keeps a 0-d one 0-d
     if not specs:
         raise ValueError("no parameters")
     return specs, arrays
@@ -100,7 +100,7 @@ def checked_params(specs: list[ParamSpec], params: Mapping[str, Any]) -> dict[st
         if not np.can_cast(arr.dtype, spec.dtype, casting="same_kind"):
             raise ValueError(f"update returned {arr.dtype} for {spec.name!r} "
                              f"({spec.dtype} expected)")  # fmt: skip
-        out[spec.name] = np.ascontiguousarray(arr, dtype=spec.dtype)
+        out[spec.name] = np.asarray(arr, dtype=spec.dtype, order="C")
     return out
 
 
