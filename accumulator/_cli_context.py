@@ -20,7 +20,8 @@ from redis.cluster import RedisCluster
 from redis.connection import SSLConnection, UnixDomainSocketConnection, parse_url
 from redis.retry import Retry
 
-from ._connection import cluster_url, sentinel_client
+from ._connection import check_url, cluster_url, sentinel_client
+from ._errors import InvalidArgumentError
 from ._redact import redact_url, url_secrets
 
 EXIT_OK = 0
@@ -182,6 +183,10 @@ class Context:
         """A checked connection (PING answered); raises :class:`CliError` when impossible."""
         if self._client is not None:
             return self._client
+        try:
+            check_url(self.url)
+        except InvalidArgumentError as exc:
+            raise CliError(EXIT_USAGE, str(exc)) from None
         plain = cluster_url(self.url)
         if plain is not None:  # redis+cluster://: a cluster client, which finds every node
             extra: dict[str, Any] = {"username": self.user} if self.user else {}

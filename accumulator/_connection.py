@@ -20,6 +20,9 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 from redis.sentinel import SentinelConnectionPool
 
+from ._errors import InvalidArgumentError
+from ._redact import redact_url
+
 DEFAULT_URL = "redis://localhost:6379/0"
 
 #: Seconds one blocking wait (BLPOP) lasts before the taker re-checks and renews its lease.
@@ -413,6 +416,21 @@ def raise_first_error(replies: list[Any]) -> list[Any]:
     return replies
 
 
+#: The URL schemes ``client=`` (and the CLI's ``--url``) take.
+URL_SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://",
+               "redis+sentinel://")  # fmt: skip
+
+
+def check_url(url: str) -> None:
+    """:class:`InvalidArgumentError` for a URL of a scheme we do not connect to (redis-py's
+    own error lists only its three)."""
+    if not url.startswith(URL_SCHEMES):
+        raise InvalidArgumentError(
+            f"unsupported Redis URL {redact_url(url)!r}: it must start with one of "
+            f"{', '.join(URL_SCHEMES)}"
+        )
+
+
 def cluster_url(url: str) -> str | None:
     """The plain URL of a ``redis+cluster://`` (``rediss+cluster://``) one, else None."""
     for scheme in ("redis+cluster://", "rediss+cluster://"):
@@ -501,6 +519,8 @@ def sentinel_client(url: str) -> redis.Redis | None:
 
 
 def _new(client: Any) -> tuple[redis.Redis, redis.Redis]:
+    if isinstance(client, str):
+        check_url(client)
     plain = cluster_url(client) if isinstance(client, str) else None
     if plain is not None or isinstance(client, RedisCluster):
         source = plain if plain is not None else client

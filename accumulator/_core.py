@@ -302,6 +302,8 @@ class AccumulatorBase(AccumulatorModel):
     def _wait(self, block: Any, *args: Any, **kwargs: Any) -> bool:
         """One bounded wait; False when its connection failed (the caller re-checks: the take
         script rides out the fault). close() from another thread breaks it (CancelledError)."""
+        if self._closed:  # closed before this wait began: nothing to cut it
+            raise CancelledError("the accumulator was closed while waiting")
         try:
             block(*args, **kwargs)
             return True

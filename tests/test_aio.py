@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import random
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -305,19 +306,29 @@ def test_hundreds_of_tasks_apply_and_take_with_exact_accounting(target):
     run(main)
 
 
-def test_aclose_breaks_a_take_waiting_in_another_task(target):
+def test_aclose_breaks_a_take_waiting_in_another_task(target, caplog):
+    """The cut take withdraws from the queue of takers before the connections close: no
+    warning, and the next take (another object) does not wait behind its lease."""
+
     async def main() -> None:
         acc = dense(target)
         await acc.open()
         waiting = asyncio.create_task(acc.take_grad(1))
         await asyncio.sleep(0.2)
+        assert await acc.redis.zcard(acc._keys.takers) == 1
         await acc.aclose()
         with pytest.raises(accumulator.CancelledError):
             await asyncio.wait_for(waiting, 5)
         with pytest.raises(accumulator.CancelledError):
             await acc.num_accumulated()
+        async with dense(target) as again:
+            assert await again.redis.zcard(again._keys.takers) == 0
+            await again.apply_grad(np.ones(3))
+            np.testing.assert_array_equal(await again.take_grad(1, timeout=5), np.ones(3))
 
-    run(main)
+    with caplog.at_level(logging.INFO, logger="accumulator"):
+        run(main)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
 
 
 def test_a_private_accumulator_is_deleted_by_aclose(target):

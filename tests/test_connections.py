@@ -173,3 +173,27 @@ def test_a_command_is_routed_by_its_first_key_a_script_call_by_its_first_keys_en
         "k1", "k2",
     ]  # fmt: skip
     assert _connection.routing_keys([("GET", "k1"), ("PING",)]) is None
+
+
+def test_a_url_of_another_scheme_is_refused_naming_every_scheme_we_take() -> None:
+    """redis-py's own error lists only redis://, rediss:// and unix://; ours lists the cluster
+    and Sentinel schemes too, is an InvalidArgumentError (also in the CLI: usage, exit 2),
+    and shows no password."""
+    import asyncio
+    import io
+
+    from accumulator import _cli, aio
+
+    url = "http://user:secret@localhost:6379/0"
+    with pytest.raises(accumulator.InvalidArgumentError, match="redis\\+sentinel://") as info:
+        accumulator.ConditionalAccumulator(np.float32, (2,), shared_name="u", client=url)
+    assert "secret" not in str(info.value) and "redis+cluster://" in str(info.value)
+
+    async def opened() -> None:
+        await aio.ConditionalAccumulator(np.float32, (2,), shared_name="u", client=url).open()
+
+    with pytest.raises(accumulator.InvalidArgumentError, match="rediss\\+cluster://"):
+        asyncio.run(opened())
+    out, err = io.StringIO(), io.StringIO()
+    assert _cli.main(["ls", "--url", url], stdout=out, stderr=err) == 2
+    assert "redis+sentinel://" in err.getvalue() and "secret" not in err.getvalue()

@@ -326,6 +326,16 @@ def test_bad_arguments(target):
     with pytest.raises(RuntimeError, match="pull"):
         worker.push(0, {"w": np.zeros(2)})
     worker.close()
+    ps = ParameterServer("names", replicas_to_aggregate=1, client=target.client())
+    ps.initialize({"w": np.zeros(2)}, resume=False)
+    worker = Worker("names", client=target.client())
+    worker.pull(timeout=5)
+    for wrong in ({"v": np.zeros(2)}, {}, {"w": np.zeros(2), "v": np.zeros(2)}):
+        with pytest.raises(accumulator.InvalidArgumentError, match="exactly \\['w'\\]"):
+            worker.push(0, wrong)
+    assert ps.stats().pushes == 0
+    worker.close()
+    ps.close()
 
 
 # -- real processes -----------------------------------------------------------------------------

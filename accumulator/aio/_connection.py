@@ -25,6 +25,7 @@ from .._connection import (
     CONNECT_TIMEOUT,
     SOCKET_TIMEOUT,
     WAIT_SLICE,
+    check_url,
     cluster_url,
     default_url,
     node_settings,
@@ -253,6 +254,8 @@ def connect(client: AsyncClient) -> AsyncConnections:
         if entry is not None and entry.origin is origin and entry.loop is loop:
             entry.users += 1
             return AsyncConnections(entry.commands, entry.blocking, key)
+        if isinstance(client, str):
+            check_url(client)
         plain = cluster_url(client) if isinstance(client, str) else None
         if plain is not None or isinstance(client, AsyncRedisCluster):
             source = plain if plain is not None else client

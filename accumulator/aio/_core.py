@@ -45,6 +45,10 @@ from ._connection import (
 
 logger = logging.getLogger("accumulator")
 
+#: Seconds :meth:`AccumulatorBase.aclose` gives operations running in other tasks to end
+#: before it closes the connections.
+CLOSE_GRACE = 5.0
+
 _A = TypeVar("_A", bound="AccumulatorBase")
 _T = TypeVar("_T")
 
@@ -113,6 +117,11 @@ class AccumulatorBase(AccumulatorModel):
         self._conns: AsyncConnections | None = None
         self._opening: asyncio.Lock | None = None
         self._waits: set[Any] = set()
+        # protocol steps running (_drive): aclose() lets them end (a cut take withdraws from
+        # the FIFO) before it closes the connections
+        self._drives = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
 
     @property
     def redis(self) -> aioredis.Redis:
@@ -148,7 +157,9 @@ class AccumulatorBase(AccumulatorModel):
 
     async def aclose(self) -> None:
         """Release connections; a private accumulator's keys are deleted. A take waiting in
-        another task raises :class:`CancelledError`."""
+        another task raises :class:`CancelledError`. Operations in flight in other tasks are
+        given up to :data:`CLOSE_GRACE` seconds to end first (a cut take withdraws from the
+        queue of takers, so that the next take does not wait for its lease to run out)."""
         self._closed = True
         conns, self._conns = self._conns, None
         if conns is None:
@@ -161,6 +172,11 @@ class AccumulatorBase(AccumulatorModel):
                     await wait.disconnect()
             except Exception:  # noqa: BLE001 - best effort: the waiter sees the closed flag
                 logger.debug("could not cut a wait of %s", self._keys.base, exc_info=True)
+        try:
+            await asyncio.wait_for(self._idle.wait(), CLOSE_GRACE)
+        except asyncio.TimeoutError:
+            logger.warning("closing %r with an operation still running after %gs",
+                           self._shared_name, CLOSE_GRACE)  # fmt: skip
         try:
             if self._private:
                 names = [k async for k in conns.commands.scan_iter(match=self._keys.pattern,
@@ -217,6 +233,16 @@ class AccumulatorBase(AccumulatorModel):
         (redis-py's pipelines can). A commit in flight is never cut: a cancel arriving then
         lets the operation complete; it then returns its result and the cancel lands at the
         caller's next await (or, if the operation failed, it raises CancelledError)."""
+        self._drives += 1
+        self._idle.clear()
+        try:
+            return await self._drive_steps(conns, ops)
+        finally:
+            self._drives -= 1
+            if not self._drives:
+                self._idle.set()
+
+    async def _drive_steps(self, conns: AsyncConnections, ops: Ops[_T]) -> _T:
         task = asyncio.current_task()
         # a cancel pending from before (one held back by a commit of the caller's previous
         # operation) lands here, before anything is sent; then count what was delivered
@@ -389,6 +415,8 @@ class AccumulatorBase(AccumulatorModel):
     async def _wait(self, block: Callable[[], Awaitable[Any]]) -> bool:
         """One bounded wait; False when its connection failed (the caller re-checks).
         ``aclose()`` from another task breaks it (CancelledError)."""
+        if self._closed:  # closed before this wait began: nothing to cut it
+            raise CancelledError("the accumulator was closed while waiting")
         try:
             await block()
             return True

@@ -20,7 +20,7 @@ from .. import _retry, _scripts
 from .._codec import scalar_int
 from .._connection import Client
 from .._dense import ConditionalAccumulator
-from .._errors import DeadlineExceededError, FailedPreconditionError
+from .._errors import DeadlineExceededError, FailedPreconditionError, InvalidArgumentError
 from .._requests import Call, Ops
 from .._sparse import SparseConditionalAccumulator
 from .._together import call_step, run_together
@@ -229,7 +229,7 @@ class Worker(_Job):
             raise RuntimeError("pull() first: the worker learns the parameters from the job")
         names = [s.name for s in self._specs]
         if set(grads) != set(names):
-            raise ValueError(f"push needs gradients for exactly {sorted(names)}, "
+            raise InvalidArgumentError(f"push needs gradients for exactly {sorted(names)}, "
                              f"got {sorted(grads)}")  # fmt: skip
         step = scalar_int(step, "step")
         # Finished since the last pull, the job's accumulators are sealed: the applies below
