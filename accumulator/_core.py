@@ -90,10 +90,13 @@ class AccumulatorBase(AccumulatorModel):
         wait_aof: bool = False,
         sum_in_redis: bool | None = None,
         spread_parts: bool | None = None,
+        retry_window: float | None = None,
     ) -> None:
         self._setup(dtype, shape, shared_name, name, reduction_type, container,
                     max_pending_bytes, sum_in_redis, min_replicas, wait_aof,
                     spread_parts)  # fmt: skip
+        if retry_window is not None:
+            self.retry_window = _retry.checked_window(retry_window)
         self._conns = connect(client)
         self._cluster = is_cluster(self._conns.commands)
         # connections of waits in progress: close() from another thread breaks them (the

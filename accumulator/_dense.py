@@ -158,6 +158,10 @@ class ConditionalAccumulator(AccumulatorBase, DenseOps):
     :attr:`durability_timeout` seconds (default 5), else it raises
     :class:`NotDurableError` (the gradient is counted: do not apply it again). A take waits
     the same way for its finish, and logs a shortfall (the round is already the caller's).
+
+    ``retry_window``: seconds every operation, opening included, rides through an
+    unreachable Redis before raising :class:`UnavailableError` (default 30; also the
+    attribute of that name). After 2 s of failures the retrying is logged as a warning.
     """
 
     def __init__(
@@ -175,11 +179,13 @@ class ConditionalAccumulator(AccumulatorBase, DenseOps):
         wait_aof: bool = False,
         sum_in_redis: bool | None = None,
         spread_parts: bool | None = None,
+        retry_window: float | None = None,
     ) -> None:
         super().__init__(dtype, shape, shared_name, name, reduction_type, client=client,
                          container=container, max_pending_bytes=max_pending_bytes,
                          sum_in_redis=sum_in_redis, min_replicas=min_replicas,
-                         wait_aof=wait_aof, spread_parts=spread_parts)  # fmt: skip
+                         wait_aof=wait_aof, spread_parts=spread_parts,
+                         retry_window=retry_window)  # fmt: skip
 
     def apply_grad(self, grad: Any, local_step: Any = 0, name: str | None = None) -> bool:
         """Add ``grad`` to the current round; ``False`` if dropped as stale.

@@ -30,7 +30,7 @@ from redis.exceptions import (
     TryAgainError,
 )
 
-from ._errors import UnavailableError
+from ._errors import InvalidArgumentError, UnavailableError
 
 logger = logging.getLogger("accumulator")
 
@@ -40,6 +40,9 @@ T = TypeVar("T")
 RETRY_WINDOW = 30.0
 _FIRST_DELAY = 0.05
 _MAX_DELAY = 1.0
+#: Seconds of failures after which the retrying is logged as a warning (a blip stays at INFO;
+#: a restart, a failover or a wrong port shows without any logging set up).
+WARN_AFTER = 2.0
 
 #: Transport faults, and a cluster between states (a failover in progress, a slot without a
 #: primary for now): worth retrying. Wrong credentials are not (they are ConnectionErrors in
@@ -47,6 +50,18 @@ _MAX_DELAY = 1.0
 TRANSIENT = (redis.ConnectionError, redis.TimeoutError, ClusterDownError, TryAgainError,
              SlotNotCoveredError)  # fmt: skip
 _PERMANENT = (AuthenticationError, AuthorizationError)
+
+
+def checked_window(seconds: object) -> float:
+    """A retry window as given by a user: a positive number of seconds."""
+    try:
+        window = float(seconds)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        window = float("nan")
+    if not 0 < window < float("inf"):
+        raise InvalidArgumentError(f"retry_window must be a positive number of seconds, got "
+                                   f"{seconds!r}")  # fmt: skip
+    return window
 
 
 def is_transient(exc: BaseException) -> bool:
@@ -62,6 +77,18 @@ class Backoff:
     started: float | None = None  # monotonic time of the first failure
     delay: float = _FIRST_DELAY
     failures: int = field(default=0)
+    warned: bool = False
+
+    def elapsed(self, now: float) -> float:
+        """Seconds since the first failure."""
+        return 0.0 if self.started is None else now - self.started
+
+    def warn_now(self, now: float) -> bool:
+        """True once, at the first retry :data:`WARN_AFTER` seconds into the failures."""
+        if self.warned or self.elapsed(now) < WARN_AFTER:
+            return False
+        self.warned = True
+        return True
 
     def next_delay(self, now: float) -> float | None:
         """Seconds to wait before the next attempt, or None: the window is over."""
@@ -119,12 +146,18 @@ def _next_wait(
     window is over, or ``give_up()``) when it is not to be retried."""
     if not is_transient(exc):
         raise exc
-    wait = backoff.next_delay(time.monotonic())
+    now = time.monotonic()
+    wait = backoff.next_delay(now)
     if wait is None or give_up():
+        stopped = "" if wait is None else "; given up: closed"
         raise UnavailableError(
-            f"{what}: Redis unreachable for {backoff.window:g}s "
-            f"({backoff.failures} attempts; last: {type(exc).__name__}: {exc})"
+            f"{what}: Redis unreachable for {backoff.elapsed(now):.1f}s ({backoff.failures} "
+            f"attempts{stopped}; last: {type(exc).__name__}: {exc})"
         ) from exc
     if backoff.failures == 1:
         logger.info("%s: %s; retrying for up to %gs", what, exc, backoff.window)
+    elif backoff.warn_now(now):
+        logger.warning("%s: Redis unreachable for %.0fs (%s: %s); retrying until %gs",
+                       what, backoff.elapsed(now), type(exc).__name__, exc,
+                       backoff.window)  # fmt: skip
     return wait

@@ -231,8 +231,8 @@ class SparseConditionalAccumulator(AccumulatorBase, SparseOps):
 
     What is shared across hosts (every process opening the same ``shared_name`` in the same
     ``container`` on the same server), and the arguments (``client``...): as for
-    :class:`ConditionalAccumulator`, and so are ``min_replicas``, ``wait_aof`` and
-    ``spread_parts``. Sparse
+    :class:`ConditionalAccumulator`, and so are ``min_replicas``, ``wait_aof``,
+    ``spread_parts`` and ``retry_window``. Sparse
     rounds are always summed by the taker.
     """
 
@@ -250,11 +250,12 @@ class SparseConditionalAccumulator(AccumulatorBase, SparseOps):
         min_replicas: int = 0,
         wait_aof: bool = False,
         spread_parts: bool | None = None,
+        retry_window: float | None = None,
     ) -> None:
         super().__init__(dtype, shape, shared_name, name, reduction_type, client=client,
                          container=container, max_pending_bytes=max_pending_bytes,
                          min_replicas=min_replicas, wait_aof=wait_aof,
-                         spread_parts=spread_parts)  # fmt: skip
+                         spread_parts=spread_parts, retry_window=retry_window)  # fmt: skip
 
     def apply_grad(
         self,

@@ -4,6 +4,7 @@ kept, valkey-py clients."""
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from pathlib import Path
@@ -197,3 +198,37 @@ def test_a_url_of_another_scheme_is_refused_naming_every_scheme_we_take() -> Non
     out, err = io.StringIO(), io.StringIO()
     assert _cli.main(["ls", "--url", url], stdout=out, stderr=err) == 2
     assert "redis+sentinel://" in err.getvalue() and "secret" not in err.getvalue()
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on (bound, then closed)
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_retry_window_is_a_constructor_argument_and_a_long_outage_warns(caplog) -> None:
+    """A wrong port: the constructor's own open rides out ``retry_window`` (not the default
+    30 s), and past 2 s of failures the retrying is a warning (visible without logging set
+    up), the first failure only INFO."""
+    import logging
+
+    url = f"redis://127.0.0.1:{_closed_port()}/0"
+    for bad in (0, -1, "x", float("inf")):
+        with pytest.raises(accumulator.InvalidArgumentError, match="retry_window"):
+            accumulator.ConditionalAccumulator(np.float32, (2,), shared_name="r", client=url,
+                                               retry_window=bad)  # fmt: skip
+    started = time.monotonic()
+    with caplog.at_level(logging.INFO, logger="accumulator"):
+        with pytest.raises(accumulator.UnavailableError, match="unreachable for"):
+            accumulator.SparseConditionalAccumulator(np.float32, (2, 2), shared_name="r",
+                                                     client=url, retry_window=0.5)  # fmt: skip
+        assert time.monotonic() - started < 5
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+        with pytest.raises(accumulator.UnavailableError):
+            accumulator.ConditionalAccumulator(np.float32, (2,), shared_name="r", client=url,
+                                               retry_window=3)  # fmt: skip
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1  # once, 2-3 s into the failures (retries are <= 1 s apart)
+    assert re.search(r"unreachable for [23]s", warnings[0].getMessage())

@@ -46,11 +46,13 @@ class ConditionalAccumulator(AccumulatorBase, DenseOps):
         wait_aof: bool = False,
         sum_in_redis: bool | None = None,
         spread_parts: bool | None = None,
+        retry_window: float | None = None,
     ) -> None:
         super().__init__(dtype, shape, shared_name, name, reduction_type, client=client,
                          container=container, max_pending_bytes=max_pending_bytes,
                          sum_in_redis=sum_in_redis, min_replicas=min_replicas,
-                         wait_aof=wait_aof, spread_parts=spread_parts)  # fmt: skip
+                         wait_aof=wait_aof, spread_parts=spread_parts,
+                         retry_window=retry_window)  # fmt: skip
 
     async def apply_grad(self, grad: Any, local_step: Any = 0, name: str | None = None) -> bool:
         """Add ``grad`` to the current round; ``False`` if dropped as stale (see
@@ -90,11 +92,12 @@ class SparseConditionalAccumulator(AccumulatorBase, SparseOps):
         min_replicas: int = 0,
         wait_aof: bool = False,
         spread_parts: bool | None = None,
+        retry_window: float | None = None,
     ) -> None:
         super().__init__(dtype, shape, shared_name, name, reduction_type, client=client,
                          container=container, max_pending_bytes=max_pending_bytes,
                          min_replicas=min_replicas, wait_aof=wait_aof,
-                         spread_parts=spread_parts)  # fmt: skip
+                         spread_parts=spread_parts, retry_window=retry_window)  # fmt: skip
 
     async def apply_grad(
         self,
