@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from types import TracebackType
 from typing import Any, TypeVar
@@ -123,8 +124,6 @@ class AccumulatorBase(AccumulatorModel):
         # protocol steps running (_drive): aclose() lets them end (a cut take withdraws from
         # the FIFO) before it closes the connections
         self._drives = 0
-        self._idle = asyncio.Event()
-        self._idle.set()
 
     @property
     def redis(self) -> aioredis.Redis:
@@ -175,9 +174,10 @@ class AccumulatorBase(AccumulatorModel):
                     await wait.disconnect()
             except Exception:  # noqa: BLE001 - best effort: the waiter sees the closed flag
                 logger.debug("could not cut a wait of %s", self._keys.base, exc_info=True)
-        try:
-            await asyncio.wait_for(self._idle.wait(), CLOSE_GRACE)
-        except asyncio.TimeoutError:
+        deadline = time.monotonic() + CLOSE_GRACE
+        while self._drives and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)  # (polled: no Event, which binds to one event loop)
+        if self._drives:
             logger.warning("closing %r with an operation still running after %gs",
                            self._shared_name, CLOSE_GRACE)  # fmt: skip
         try:
@@ -237,13 +237,10 @@ class AccumulatorBase(AccumulatorModel):
         lets the operation complete; it then returns its result and the cancel lands at the
         caller's next await (or, if the operation failed, it raises CancelledError)."""
         self._drives += 1
-        self._idle.clear()
         try:
             return await self._drive_steps(conns, ops)
         finally:
             self._drives -= 1
-            if not self._drives:
-                self._idle.set()
 
     async def _drive_steps(self, conns: AsyncConnections, ops: Ops[_T]) -> _T:
         task = asyncio.current_task()
