@@ -20,8 +20,7 @@ from redis.cluster import RedisCluster
 from redis.connection import SSLConnection, UnixDomainSocketConnection, parse_url
 from redis.retry import Retry
 
-from ._connection import check_url, cluster_url, sentinel_client
-from ._errors import InvalidArgumentError
+from ._connection import URL_SCHEMES, cluster_url, sentinel_client
 from ._redact import redact_url, url_secrets
 
 EXIT_OK = 0
@@ -183,10 +182,13 @@ class Context:
         """A checked connection (PING answered); raises :class:`CliError` when impossible."""
         if self._client is not None:
             return self._client
-        try:
-            check_url(self.url)
-        except InvalidArgumentError as exc:
-            raise CliError(EXIT_USAGE, str(exc)) from None
+        if not self.url.startswith(URL_SCHEMES):  # redis-py's own error names only three
+            raise CliError(
+                EXIT_USAGE,
+                f"invalid --url {esc(redact_url(self.url), quote=True)}: it must start with one "
+                f"of {', '.join(URL_SCHEMES)}",
+                "usage",
+            )
         plain = cluster_url(self.url)
         if plain is not None:  # redis+cluster://: a cluster client, which finds every node
             extra: dict[str, Any] = {"username": self.user} if self.user else {}
