@@ -20,7 +20,7 @@ from redis.cluster import RedisCluster
 from redis.connection import SSLConnection, UnixDomainSocketConnection, parse_url
 from redis.retry import Retry
 
-from ._connection import URL_SCHEMES, cluster_url, sentinel_client
+from ._connection import cluster_url, scheme_problem, sentinel_client
 from ._redact import redact_url, url_secrets
 
 EXIT_OK = 0
@@ -182,13 +182,12 @@ class Context:
         """A checked connection (PING answered); raises :class:`CliError` when impossible."""
         if self._client is not None:
             return self._client
-        if not self.url.startswith(URL_SCHEMES):  # redis-py's own error names only three
+        problem = scheme_problem(self.url)
+        if problem is not None:
             raise CliError(
-                EXIT_USAGE,
-                f"invalid --url {esc(redact_url(self.url), quote=True)}: it must start with one "
-                f"of {', '.join(URL_SCHEMES)}",
+                EXIT_USAGE, f"invalid --url {esc(redact_url(self.url), quote=True)}: {problem}",
                 "usage",
-            )
+            )  # fmt: skip
         plain = cluster_url(self.url)
         if plain is not None:  # redis+cluster://: a cluster client, which finds every node
             extra: dict[str, Any] = {"username": self.user} if self.user else {}

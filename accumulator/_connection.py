@@ -421,14 +421,19 @@ URL_SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+c
                "redis+sentinel://")  # fmt: skip
 
 
+def scheme_problem(url: str) -> str | None:
+    """What is wrong with a URL's scheme (redis-py's own error lists only its three), or
+    None when it is one of :data:`URL_SCHEMES`."""
+    if url.startswith(URL_SCHEMES):
+        return None
+    return f"it must start with one of {', '.join(URL_SCHEMES)}"
+
+
 def check_url(url: str) -> None:
-    """:class:`InvalidArgumentError` for a URL of a scheme we do not connect to (redis-py's
-    own error lists only its three)."""
-    if not url.startswith(URL_SCHEMES):
-        raise InvalidArgumentError(
-            f"unsupported Redis URL {redact_url(url)!r}: it must start with one of "
-            f"{', '.join(URL_SCHEMES)}"
-        )
+    """:class:`InvalidArgumentError` for a URL of a scheme we do not connect to."""
+    problem = scheme_problem(url)
+    if problem is not None:
+        raise InvalidArgumentError(f"unsupported Redis URL {redact_url(url)!r}: {problem}")
 
 
 def cluster_url(url: str) -> str | None:

@@ -139,15 +139,14 @@ class _Job:
     ) -> None:
         if not job:
             raise ValueError("a sync job needs a non-empty name")
-        if not retry_window > 0:
-            raise ValueError(f"retry_window must be > 0 seconds, got {retry_window!r}")
+        window = _retry.checked_window(retry_window)
         self.job = job
         self.container = container or ""
         self.keys = SyncKeys(self.container, job)
         #: Seconds every Redis operation rides through an unreachable server (a restart, a
         #: failover) before raising :class:`~accumulator.UnavailableError`; also given to the
         #: accumulators.
-        self.retry_window = float(retry_window)
+        self.retry_window = window
         self._conns = connect(client)  # a share of the pools of this client or URL
         self._redis: redis.Redis = self._conns.commands  # what the accumulators derive from
         self._blocking: redis.Redis = self._conns.blocking  # pub/sub waits only
@@ -184,9 +183,8 @@ class _Job:
             acc = cls(
                 spec.dtype, spec.shape, shared_name=accumulator_name(self.job, spec.name),
                 name=spec.name, reduction_type=reduction, client=self._redis,
-                container=self.container,
+                container=self.container, retry_window=self.retry_window,
             )  # fmt: skip
-            acc.retry_window = self.retry_window
             self._accs[spec.name] = acc
         self._specs = list(specs)
 
