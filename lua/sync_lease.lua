@@ -11,19 +11,21 @@
 -- version of its parameters, in the same atomic step (fenced: no chief ever publishes over
 -- another). KEYS[2] the published hash (accsync:{tag}:p)  KEYS[3 .. 2+n] the new version's
 -- part keys, written before this call (deleted when the lease is another's, unless the
--- hash names them already)  KEYS[3+n ..] the previous version's part keys (they expire
--- after ARGV[10] ms)
+-- hash names them already)  KEYS[3+n .. #KEYS-m] the previous version's part keys (they
+-- expire after ARGV[10] ms)  KEYS[#KEYS-m+1 ..] the part keys of the version before that
+-- (deleted: Redis holds at most the current and the previous version)
 -- ARGV[7] n  ARGV[8] channel to announce the step on ('': the client does, after this call)
--- ARGV[9] the announcement  ARGV[10] ms  ARGV[11 ..] field, value pairs of the published hash.
+-- ARGV[9] the announcement  ARGV[10] ms  ARGV[11] m  ARGV[12 ..] field, value pairs of the
+-- published hash.
 -- The reply is acquire's.
 local mode = ARGV[1]
 local publish = mode == 'publish'
 if publish then
   local base = string.match(KEYS[1], '^(.*):chief$')
-  local n = tonumber(ARGV[7] or '')
+  local n, m = tonumber(ARGV[7] or ''), tonumber(ARGV[11] or '')
   if not (base and KEYS[2] == base .. ':p' and is_count(ARGV[3]) and is_count(ARGV[6])
-      and is_count(ARGV[7] or '') and is_count(ARGV[10] or '') and n + 2 <= #KEYS
-      and #ARGV > 10 and (#ARGV - 10) % 2 == 0
+      and is_count(ARGV[7] or '') and is_count(ARGV[10] or '') and is_count(ARGV[11] or '')
+      and n + m + 2 <= #KEYS and #ARGV > 11 and (#ARGV - 11) % 2 == 0
       and (ARGV[8] == '' or ARGV[8] == base .. ':ch')) then
     return acc_error('BADARG sync_lease publish')
   end
@@ -41,7 +43,7 @@ end
 -- first reply was lost): its parts are then being read, never deleted.
 local function published_here()
   local want = {}
-  for i = 11, #ARGV - 1, 2 do want[ARGV[i]] = ARGV[i + 1] end
+  for i = 12, #ARGV - 1, 2 do want[ARGV[i]] = ARGV[i + 1] end
   local have = redis.call('HMGET', KEYS[2], 'run', 'step')
   return have[1] == want.run and have[2] == want.step
 end
@@ -81,9 +83,11 @@ redis.call('HSET', KEYS[1], 'renewed_ms', int_str(now),
 redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[3]) + tonumber(ARGV[6]))
 if publish then
   local fields = {}
-  for i = 11, #ARGV do fields[#fields + 1] = ARGV[i] end
+  for i = 12, #ARGV do fields[#fields + 1] = ARGV[i] end
   redis.call('HSET', KEYS[2], unpack(fields))
-  for i = 3 + tonumber(ARGV[7]), #KEYS do redis.call('PEXPIRE', KEYS[i], ARGV[10]) end
+  local stale = #KEYS - tonumber(ARGV[11])
+  for i = 3 + tonumber(ARGV[7]), stale do redis.call('PEXPIRE', KEYS[i], ARGV[10]) end
+  for i = stale + 1, #KEYS, 1000 do redis.call('UNLINK', unpack(KEYS, i, math.min(i + 999, #KEYS))) end
   if ARGV[8] ~= '' then redis.call('PUBLISH', ARGV[8], ARGV[9]) end
 end
 return {1, previous}

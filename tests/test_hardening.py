@@ -447,8 +447,8 @@ def test_the_push_count_refuses_garbage_before_any_write(target, case):
 
 @pytest.mark.parametrize(
     "case",
-    ["params key", "foreign part", "part count", "channel", "odd fields", "no fields",
-     "lease ms"],
+    ["params key", "foreign part", "part count", "stale count", "channel", "odd fields",
+     "no fields", "lease ms"],
 )  # fmt: skip
 def test_the_fenced_publish_refuses_garbage_before_any_write(target, case):
     """The sync chief's publish (``lua/sync_lease.lua``, mode ``publish``) touches only its
@@ -458,7 +458,7 @@ def test_the_fenced_publish_refuses_garbage_before_any_write(target, case):
     k = SyncKeys("", "garbage")
     lease, part = k.base + ":chief", k.param_parts("r", 1, 0, 8)[0]
     keys = [lease, k.params, part]
-    args: list[object] = ["publish", "me", 10000, "h", 1, 60000, 1, k.channel, "1", 60000,
+    args: list[object] = ["publish", "me", 10000, "h", 1, 60000, 1, k.channel, "1", 60000, 0,
                           "run", "r", "step", "1"]  # fmt: skip
     if case == "params key":
         keys[1] = k.stats
@@ -466,12 +466,14 @@ def test_the_fenced_publish_refuses_garbage_before_any_write(target, case):
         keys[2] = SyncKeys("", "other").param_parts("r", 1, 0, 8)[0]
     elif case == "part count":
         args[6] = 2
+    elif case == "stale count":  # more stale parts than keys after the new ones
+        args[10] = 1
     elif case == "channel":
         args[7] = "elsewhere"
     elif case == "odd fields":
         args.append("done")
     elif case == "no fields":
-        del args[10:]
+        del args[11:]
     else:
         args[2] = "-1"
     r = target.redis()

@@ -33,6 +33,31 @@ def _params() -> dict[str, np.ndarray]:
     }
 
 
+# -- the update rule, without Redis ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64", "complex64", "int32"])
+@pytest.mark.parametrize("writeable", [True, False])
+def test_the_learning_rate_update_is_p_minus_lr_times_g_exactly(dtype, writeable):
+    """Plain SGD scales a dense float gradient in place (the chief's own taken array: no
+    temporary as large as the parameter); the result is ``p - lr * g`` bit for bit either
+    way, and a read-only or integer gradient is left as it was."""
+    from accumulator.sync._params import apply_update, specs_for
+
+    rng = np.random.default_rng(3)
+    p0 = (rng.standard_normal(1000) * 100).astype(dtype)
+    g0 = (rng.standard_normal(1000) * 1e3).astype(dtype)
+    specs, params = specs_for({"p": p0.copy()}, frozenset())
+    g = g0.copy()
+    g.flags.writeable = writeable
+    out = apply_update(0.37, specs, params, {"p": g}, 0)
+    expected = p0 - np.asarray(0.37 * g0, dtype=dtype)
+    assert out["p"].dtype == np.dtype(dtype)
+    assert out["p"].tobytes() == expected.tobytes()
+    if not writeable or dtype == "int32":
+        np.testing.assert_array_equal(g, g0)
+
+
 # -- in one process -----------------------------------------------------------------------------
 
 

@@ -1,5 +1,6 @@
 """The sync helper's parameter broadcast in chunks: parts of one chunk under versioned keys,
-switched in one MULTI, the previous version kept readable for a minute."""
+switched in one MULTI, the previous version kept readable for a minute at most (until the
+next publish)."""
 
 from __future__ import annotations
 
@@ -53,6 +54,27 @@ def test_large_parameters_travel_in_parts_and_old_versions_expire(target):
     assert all(r.pttl(k) == -1 for k in new)
     step, params = worker.pull(after=0, timeout=5)
     np.testing.assert_array_equal(params["big"], _params()["big"] - 0.5)
+    worker.close()
+    ps.close()
+
+
+def test_redis_holds_two_parameter_versions_however_fast_the_steps(target):
+    """The previous version stays readable (a reader may be in the middle of it); the next
+    publish deletes it, so Redis holds two versions of the parameters at most, not every
+    version of the last minute (that was 30 at 16 MiB with steps of a second or two)."""
+    r, ps, keys = _job(target, "fast")
+    worker = Worker("fast", client=target.client())
+    step, _ = worker.pull(timeout=5)
+    grad = {"big": np.ones_like(_params()["big"]), "small": np.ones((2, 3), np.float32)}
+    for _ in range(4):
+        worker.push(step, grad)
+        ps.step(0.5, timeout=5)
+        step, _ = worker.pull(after=step, timeout=5)
+    assert step == 4
+    current, previous = ps._version_keys(ps._run, 4), ps._version_keys(ps._run, 3)
+    assert {k.decode() for k in _values(r, keys)} == {*current, *previous}
+    assert all(r.pttl(k) == -1 for k in current)
+    assert all(0 < r.pttl(k) <= 60_000 for k in previous)
     worker.close()
     ps.close()
 

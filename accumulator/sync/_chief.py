@@ -38,8 +38,9 @@ from ._published import (
 
 logger = logging.getLogger("accumulator.sync")
 
-#: How long the parts of a superseded parameter version stay readable (a reader may be in
-#: the middle of them); after that it reads the newer version.
+#: How long the parts of the previous parameter version stay readable at most (a reader
+#: may be in the middle of them; the next publish deletes them sooner); after that it reads
+#: the newer version.
 _OLD_VERSION_MS = 60 * 1000
 
 
@@ -95,6 +96,9 @@ class ParameterServer(_Job):
         #: (run, step) of the parameters this chief last published or resumed from: its parts
         #: are set to expire once a newer version is published
         self._published_version: tuple[str, int] | None = None
+        #: the version published before that one: deleted when a newer one is published
+        #: (Redis holds at most two versions, however fast the steps)
+        self._older_version: tuple[str, int] | None = None
         # Gradients already taken for the current step when a step() timed out part-way:
         # the next step() continues from there instead of taking those parameters twice.
         # After a restart it also holds the zero gradients of parameters whose round the
@@ -209,7 +213,7 @@ class ParameterServer(_Job):
     def _resume(self, published: Published) -> int:
         self._open_accumulators(published.specs, published.reduction)
         self._params, self._run = published.params, published.run
-        self._published_version = (published.run, published.step)
+        self._published_version, self._older_version = (published.run, published.step), None
         self._taken, self._done = {}, False
         at = published.step
         steps = {name: acc.global_step() for name, acc in self._accs.items()}
@@ -319,8 +323,11 @@ class ParameterServer(_Job):
         for j, spec in enumerate(self._specs):
             data = param_bytes(spec, self._params[spec.name])
             parts.append((self.keys.param_parts(run, step, j, data.nbytes), data))
-        previous = self._published_version
+        previous, older = self._published_version, self._older_version
         old_keys = [] if previous in (None, (run, step)) else self._version_keys(*previous)
+        # the version before the previous one: a reader still in it reads the newest again
+        stale = older if old_keys and older not in (None, (run, step), previous) else None
+        stale_keys = [] if stale is None else self._version_keys(*stale)
 
         # The switch is the lease script's ``publish``: the lease renewed and, only while this
         # chief holds it, the hash switched to the new version, in one atomic step (no chief
@@ -333,8 +340,8 @@ class ParameterServer(_Job):
             run, step, done, [data for _, data in parts] if nbytes <= ANNOUNCE_BYTES else None
         )
         lease_keys, lease_args = self._lease.publish_call(
-            self.keys.params, new_keys, old_keys, "" if cluster else self.keys.channel,
-            announcement, _OLD_VERSION_MS, mapping,
+            self.keys.params, new_keys, old_keys, stale_keys,
+            "" if cluster else self.keys.channel, announcement, _OLD_VERSION_MS, mapping,
         )  # fmt: skip
         # Small parameters (a chunk in all) go in the MULTI of the switch: one round trip,
         # and a part refused (maxmemory) aborts the whole publish.
@@ -377,6 +384,8 @@ class ParameterServer(_Job):
             return reply
 
         self._lease.settle(self._io("publishing", publish))
+        if old_keys:
+            self._older_version = previous
         self._published_version = (run, step)
 
     def _version_keys(self, run: str, step: int) -> list[str]:

@@ -81,14 +81,17 @@ class _ChiefLease:
         return list(_scripts.call(self._client, "sync_lease", [self.key], self._args(mode)))
 
     def publish_call(
-        self, published: str, new_keys: list[str], old_keys: list[str], channel: str,
-        message: str | bytes, old_expire_ms: int, fields: Mapping[Any, Any],
+        self, published: str, new_keys: list[str], old_keys: list[str], stale_keys: list[str],
+        channel: str, message: str | bytes, old_expire_ms: int, fields: Mapping[Any, Any],
     ) -> tuple[list[str], list[Any]]:  # fmt: skip
         """KEYS and ARGV of the lease script's ``publish``: the lease renewed and, only if
-        this chief holds it, the published hash switched to the new version, in one atomic
-        step (see ``lua/sync_lease.lua``); its reply goes to :meth:`settle`."""
-        keys = [self.key, published, *new_keys, *old_keys]
-        args = [*self._args("publish"), len(new_keys), channel, message, old_expire_ms]
+        this chief holds it, the published hash switched to the new version (``new_keys``),
+        the previous version's ``old_keys`` set to expire and the ``stale_keys`` of the one
+        before deleted, in one atomic step (see ``lua/sync_lease.lua``); its reply goes to
+        :meth:`settle`."""
+        keys = [self.key, published, *new_keys, *old_keys, *stale_keys]
+        args = [*self._args("publish"), len(new_keys), channel, message, old_expire_ms,
+                len(stale_keys)]  # fmt: skip
         for name, value in fields.items():
             args += [name, value]
         return keys, args

@@ -62,8 +62,9 @@ def apply_update(
     step: int,
 ) -> dict[str, np.ndarray]:
     """The parameters after ``update`` with ``grads`` at ``step``: ``params`` itself, updated
-    in place, for learning rates; what a function returned (checked), or ``params`` it
-    updated in place, for a function."""
+    in place, for learning rates (dense float gradients are scaled in place too: they are
+    the chief's taken ones, seen by no one else); what a function returned (checked), or
+    ``params`` it updated in place, for a function."""
     if callable(update):
         out = update(params, grads, step)
         return checked_params(specs, params if out is None else out)
@@ -79,9 +80,22 @@ def apply_update(
         if spec.kind == "sparse":
             # indices come back unique, so fancy-index assignment adds each row once
             p[g.indices] -= np.asarray(lr * g.values, dtype=p.dtype)
+        elif _scalable_in_place(g, p):
+            # the taken gradient is the chief's own: scaled where it lies, no temporary
+            # array as large as the parameter (the same products as ``lr * g``)
+            p -= np.multiply(g, lr, out=g)
         else:
             p -= np.asarray(lr * g, dtype=p.dtype)
     return params
+
+
+def _scalable_in_place(g: Any, p: np.ndarray) -> bool:
+    """Whether ``g * lr`` can be computed into ``g`` itself with the result ``lr * g``
+    gives in ``p``'s dtype: a writable float or complex array of that dtype and shape."""
+    return (
+        isinstance(g, np.ndarray) and g.dtype == p.dtype and g.shape == p.shape
+        and g.dtype.kind in "fc" and g.flags.writeable
+    )  # fmt: skip
 
 
 def checked_params(specs: list[ParamSpec], params: Mapping[str, Any]) -> dict[str, np.ndarray]:
