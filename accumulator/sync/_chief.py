@@ -366,7 +366,8 @@ class ParameterServer(_Job):
         def publish() -> list[Any]:
             # The new version's parts first (one chunk per command), then the switch: readers
             # see either the old step and parameters or the new ones. The previous version
-            # stays readable for a minute (a reader may be in the middle of it). Sent again
+            # stays readable until the next publish, a minute at most (a reader may be in
+            # the middle of it); the one before it is deleted in the switch. Sent again
             # after a fault, it writes the same values.
             if not small:
                 pipe = self.redis.pipeline(transaction=False)

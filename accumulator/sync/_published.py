@@ -4,7 +4,8 @@ parameter's raw little-endian bytes (never pickle) in parts of one chunk under k
 version, ``accsync:{tag}:v:<run>:<step>:<j>:<i>`` (no command moves more than a chunk).
 
 The chief writes a version's parts first, then switches the hash to it in one MULTI, and
-lets the previous version expire a minute later: a reader reads the hash, then the parts of
+lets the previous version expire a minute later, or deletes it at the next publish, whichever
+comes first (Redis holds two versions at most): a reader reads the hash, then the parts of
 the version it names; if that version is gone (two publishes meanwhile), it reads again."""
 
 from __future__ import annotations
