@@ -99,7 +99,8 @@ def _stop(pipes: list[Any], procs: list[Any]) -> None:
         proc.join(30)
 
 
-SyncRow = tuple[str, int, float, float | None]  # size, W, sync step ms, accumulator step ms
+#: size, W, sync step ms, accumulator step ms, Redis used_memory after the steps / the model
+SyncRow = tuple[str, int, float, float | None, float]
 
 
 def steps_for(nbytes: int, runs: int) -> int:
@@ -115,10 +116,12 @@ def run_sync(url: str, sizes: dict[str, int], workers: int, runs: int,
              verbose: bool, tensors: int = 1) -> list[SyncRow]:  # fmt: skip
     """The sync helper's step: every worker pushes, the chief steps (takes, updates,
     publishes), every worker pulls the new parameters; (size, W, median ms, the
-    accumulator step's median ms) per size. With one tensor, an accumulator step of the same
-    size (W workers apply, the chief takes) alternates with the sync steps, on the same
-    server, so that both medians see the same machine; with ``tensors``: a model of that
-    many parameters of the size each (the label says so; no accumulator step)."""
+    accumulator step's median ms, Redis's ``used_memory`` after the last step over the
+    model's bytes: its parameter versions, two at most) per size. With one tensor, an
+    accumulator step of the same size (W workers apply, the chief takes) alternates with the
+    sync steps, on the same server, so that both medians see the same machine; with
+    ``tensors``: a model of that many parameters of the size each (the label says so; no
+    accumulator step)."""
     from accumulator.sync import ParameterServer
 
     out: list[SyncRow] = []
@@ -161,15 +164,18 @@ def run_sync(url: str, sizes: dict[str, int], workers: int, runs: int,
                 assert c.recv() == "pulled"
             if i > 0:
                 times.append(time.perf_counter() - t)
+        held = r.info("memory")["used_memory"] / (tensors * nbytes)
         _stop(pipes, procs)
         if chief is not None:
             _stop(acc_pipes, acc_procs)
             chief.close()
         ps.close()
         median = 1000 * statistics.median(times)
-        out.append((label, workers, median, 1000 * statistics.median(base) if base else None))
+        out.append((label, workers, median, 1000 * statistics.median(base) if base else None,
+                    held))  # fmt: skip
         if verbose:
-            print(f"  sync   W={workers} {label:>7}: {median:9.2f} ms", file=sys.stderr)
+            print(f"  sync   W={workers} {label:>7}: {median:9.2f} ms  held {held:5.2f}x",
+                  file=sys.stderr)  # fmt: skip
     r.close()
     return out
 
@@ -395,12 +401,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sync helper step (push, chief step, pull) on the {paths[0][0]} path, medians; "
               "the accumulator step of the same size alternates with it:")  # fmt: skip
         print()
-        print("| gradient | W | sync step | accumulator step | ratio |")
-        print("|---|---:|---:|---:|---:|")
-        for label, w, ms, base_ms in sync:
+        print("| gradient | W | sync step | accumulator step | ratio | Redis held after |")
+        print("|---|---:|---:|---:|---:|---:|")
+        for label, w, ms, base_ms, held in sync:
             ratio = f"{ms / base_ms:.2f}" if base_ms else "—"
             shown = f"{base_ms:.2f} ms" if base_ms else "—"
-            print(f"| {label} | {w} | {ms:.2f} ms | {shown} | {ratio} |")
+            print(f"| {label} | {w} | {ms:.2f} ms | {shown} | {ratio} | {held:.2f}× |")
+        print()
+        print("Redis held after: used_memory after the last step over the model's bytes (the "
+              "current and the previous parameter version).")  # fmt: skip
     if args.json:
         with contextlib.suppress(OSError), open(args.json, "w") as f:
             json.dump([asdict(r) for r in rows], f, indent=1)

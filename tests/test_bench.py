@@ -48,3 +48,6 @@ def test_step_bench_runs_both_paths(real_url):
                 "--runs", "1", "-q"], timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| 4 KiB | 2 |" in proc.stdout, proc.stdout
+    sync = [line for line in proc.stdout.splitlines() if line.startswith("| 16 × 4 KiB | 2 |")]
+    assert "| ratio | Redis held after |" in proc.stdout and sync, proc.stdout
+    assert sync[0].endswith("× |"), sync
