@@ -487,16 +487,15 @@ def _zero_copy_nodes(client: RedisCluster) -> RedisCluster:
     return client
 
 
-def sentinel_client(url: str) -> redis.Redis | None:
-    """The Sentinel-managed client of a ``redis+sentinel://[user:password@]host:port[,host:
-    port...]/service[/db]`` URL (the Sentinels' addresses, then the name they know the
-    primary by; user and password are the primary's), else None. No I/O."""
+def sentinel_parts(url: str) -> tuple[list[tuple[str, int]], str, dict[str, Any]] | None:
+    """What a ``redis+sentinel://[user:password@]host:port[,host:port...]/service[/db]`` URL
+    names: the Sentinels' addresses, the name they know the primary by, and the primary's
+    client options (db, user and password, our timeouts); None for another URL. No I/O: the
+    synchronous and the asyncio ``master_for`` are built from it."""
     scheme = "redis+sentinel://"
     if not url.startswith(scheme):
         return None
     from urllib.parse import unquote
-
-    from redis.sentinel import Sentinel
 
     rest = url[len(scheme) :]
     auth, _, rest = rest.rpartition("@")
@@ -518,8 +517,21 @@ def sentinel_client(url: str) -> redis.Redis | None:
         options["username"] = unquote(user)
     if password:
         options["password"] = unquote(password)
-    sentinel = Sentinel(addresses, socket_timeout=CONNECT_TIMEOUT)
-    client: redis.Redis = sentinel.master_for(unquote(parts[0]), **options)
+    return addresses, unquote(parts[0]), options
+
+
+def sentinel_client(url: str) -> redis.Redis | None:
+    """The Sentinel-managed client of a ``redis+sentinel://`` URL (:func:`sentinel_parts`),
+    else None. No I/O."""
+    parts = sentinel_parts(url)
+    if parts is None:
+        return None
+    from redis.sentinel import Sentinel
+
+    addresses, service, options = parts
+    client: redis.Redis = Sentinel(addresses, socket_timeout=CONNECT_TIMEOUT).master_for(
+        service, **options
+    )
     return client
 
 

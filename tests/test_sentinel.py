@@ -82,3 +82,35 @@ def test_unsupported_clients_are_refused_naming_what_to_pass():
     aio = redis.asyncio.Redis()  # connects lazily: nothing is sent
     with pytest.raises(TypeError, match="redis.asyncio.client.Redis is an asyncio client"):
         accumulator.ConditionalAccumulator(np.float32, client=aio)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("given", ["url", "client"])
+def test_the_asyncio_twins_reach_the_primary_through_sentinel(sentinel_master, given):
+    """``accumulator.aio`` takes a ``redis+sentinel://`` URL (redis-py's asyncio ``from_url``
+    does not) and a ``redis.asyncio`` Sentinel-managed client, as the synchronous classes do,
+    and its connections stay Sentinel-managed (they follow a failover)."""
+    import asyncio
+
+    from redis.asyncio.sentinel import Sentinel as AsyncSentinel
+
+    from accumulator import aio
+
+    port = sentinel_master.sentinels[0].connection_pool.connection_kwargs["port"]
+
+    async def main() -> None:
+        client: object = f"redis+sentinel://127.0.0.1:{port}/mymaster"
+        if given == "client":
+            client = AsyncSentinel([("127.0.0.1", port)], socket_timeout=1).master_for("mymaster")
+        async with aio.ConditionalAccumulator(np.float32, shape=(2,), shared_name="as",
+                                              client=client) as acc:  # fmt: skip
+            for c in (acc._conns.commands, acc._conns.blocking):
+                assert type(c.connection_pool).__name__ == "SentinelConnectionPool"
+            assert await acc.apply_grad([1.0, 3.0]) is True
+            np.testing.assert_array_equal(await acc.take_grad(1, timeout=5), [1.0, 3.0])
+            assert await acc.global_step() == 1
+
+    asyncio.run(main())
+    sync = accumulator.ConditionalAccumulator(np.float32, shape=(2,), shared_name="as",
+                                              client=sentinel_master.master_for("mymaster"))  # fmt: skip
+    assert sync.global_step() == 1  # the same accumulator, on the primary
+    sync.close()

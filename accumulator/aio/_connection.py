@@ -17,6 +17,8 @@ import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.asyncio.connection import AbstractConnection as AsyncAbstractConnection
 from redis.asyncio.retry import Retry
+from redis.asyncio.sentinel import Sentinel as AsyncSentinel
+from redis.asyncio.sentinel import SentinelConnectionPool as AsyncSentinelPool
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import ResponseError
 
@@ -31,6 +33,7 @@ from .._connection import (
     node_settings,
     raise_first_error,
     release,
+    sentinel_parts,
     url_options,
 )
 from .._direct import as_pipeline_reply, direct, direct_pool
@@ -102,8 +105,17 @@ def _derive(pool: Any, *, limit: bool, socket_timeout: float) -> aioredis.Redis:
             size["max_connections"] = most
         if isinstance(pool, aioredis.BlockingConnectionPool):
             size["timeout"] = pool.timeout
-    pool_class = type(pool) if limit else aioredis.ConnectionPool
-    new_pool = pool_class(connection_class=pool.connection_class, **size, **kwargs)
+    if isinstance(pool, AsyncSentinelPool):
+        # a Sentinel-managed pool finds the current primary itself (and again after failover)
+        kwargs.pop("connection_pool", None)  # its proxy to the old pool
+        new_pool: aioredis.ConnectionPool = AsyncSentinelPool(
+            pool.service_name, pool.sentinel_manager, is_master=pool.is_master,
+            check_connection=pool.check_connection, connection_class=pool.connection_class,
+            **size, **kwargs,
+        )  # fmt: skip
+    else:
+        pool_class = type(pool) if limit else aioredis.ConnectionPool
+        new_pool = pool_class(connection_class=pool.connection_class, **size, **kwargs)
     return aioredis.Redis(connection_pool=new_pool)
 
 
@@ -227,6 +239,13 @@ def node_client(cluster: Any, node: Any) -> aioredis.Redis:
 
 
 def _url_client(url: str) -> aioredis.Redis:
+    sentinel = sentinel_parts(url)
+    if sentinel is not None:  # redis-py's from_url does not take this scheme
+        addresses, service, options = sentinel
+        client: aioredis.Redis = AsyncSentinel(
+            addresses, socket_timeout=CONNECT_TIMEOUT
+        ).master_for(service, retry=_retry(), **options)
+        return client
     return aioredis.Redis.from_url(url, retry=_retry(), **url_options(url))
 
 
