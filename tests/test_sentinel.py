@@ -110,7 +110,8 @@ def test_the_asyncio_twins_reach_the_primary_through_sentinel(sentinel_master, g
             assert await acc.global_step() == 1
 
     asyncio.run(main())
+    primary = sentinel_master.master_for("mymaster")
     sync = accumulator.ConditionalAccumulator(np.float32, shape=(2,), shared_name="as",
-                                              client=sentinel_master.master_for("mymaster"))  # fmt: skip
+                                              client=primary)  # fmt: skip
     assert sync.global_step() == 1  # the same accumulator, on the primary
     sync.close()
