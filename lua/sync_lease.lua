@@ -87,7 +87,9 @@ if publish then
   redis.call('HSET', KEYS[2], unpack(fields))
   local stale = #KEYS - tonumber(ARGV[11])
   for i = 3 + tonumber(ARGV[7]), stale do redis.call('PEXPIRE', KEYS[i], ARGV[10]) end
-  for i = stale + 1, #KEYS, 1000 do redis.call('UNLINK', unpack(KEYS, i, math.min(i + 999, #KEYS))) end
+  for i = stale + 1, #KEYS, 1000 do
+    redis.call('UNLINK', unpack(KEYS, i, math.min(i + 999, #KEYS)))
+  end
   if ARGV[8] ~= '' then redis.call('PUBLISH', ARGV[8], ARGV[9]) end
 end
 return {1, previous}
