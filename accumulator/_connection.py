@@ -167,19 +167,25 @@ def _is_blocking(pool: Any) -> bool:
     )
 
 
+def sentinel_pool_like(pool_class: Any, pool: Any, kwargs: dict[str, Any]) -> Any:
+    """A new ``pool_class`` (redis-py's synchronous or asyncio Sentinel-managed pool: both
+    take the same arguments) for the service of ``pool``, with the connection settings
+    ``kwargs``. Such a pool finds the current primary itself, and again after a failover."""
+    settings = {k: v for k, v in kwargs.items() if k != "connection_pool"}  # a proxy to pool
+    return pool_class(
+        pool.service_name, pool.sentinel_manager, is_master=pool.is_master,
+        check_connection=pool.check_connection, connection_class=pool.connection_class,
+        **settings,
+    )  # fmt: skip
+
+
 def _derive(pool: redis.ConnectionPool, *, limit: bool, **overrides: Any) -> redis.Redis:
     """A client like the one given (same server, credentials, class of connection and, with
     ``limit``, the same pool class and size), with our packer and timeouts."""
     kwargs = dict(pool.connection_kwargs)
     kwargs.update(overrides)
     if isinstance(pool, SentinelConnectionPool):
-        # a Sentinel-managed pool finds the current master itself (and again after failover)
-        kwargs.pop("connection_pool", None)  # its proxy to the old pool
-        new_pool: redis.ConnectionPool = SentinelConnectionPool(
-            pool.service_name, pool.sentinel_manager, is_master=pool.is_master,
-            check_connection=pool.check_connection, connection_class=pool.connection_class,
-            **kwargs,
-        )  # fmt: skip
+        new_pool: redis.ConnectionPool = sentinel_pool_like(SentinelConnectionPool, pool, kwargs)
     elif limit:
         new_pool = pool.__class__(
             connection_class=pool.connection_class, **_pool_kwargs(pool), **kwargs

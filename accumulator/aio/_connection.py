@@ -34,6 +34,7 @@ from .._connection import (
     raise_first_error,
     release,
     sentinel_parts,
+    sentinel_pool_like,
     url_options,
 )
 from .._direct import as_pipeline_reply, direct, direct_pool
@@ -106,13 +107,9 @@ def _derive(pool: Any, *, limit: bool, socket_timeout: float) -> aioredis.Redis:
         if isinstance(pool, aioredis.BlockingConnectionPool):
             size["timeout"] = pool.timeout
     if isinstance(pool, AsyncSentinelPool):
-        # a Sentinel-managed pool finds the current primary itself (and again after failover)
-        kwargs.pop("connection_pool", None)  # its proxy to the old pool
-        new_pool: aioredis.ConnectionPool = AsyncSentinelPool(
-            pool.service_name, pool.sentinel_manager, is_master=pool.is_master,
-            check_connection=pool.check_connection, connection_class=pool.connection_class,
-            **size, **kwargs,
-        )  # fmt: skip
+        new_pool: aioredis.ConnectionPool = sentinel_pool_like(
+            AsyncSentinelPool, pool, {**size, **kwargs}
+        )
     else:
         pool_class = type(pool) if limit else aioredis.ConnectionPool
         new_pool = pool_class(connection_class=pool.connection_class, **size, **kwargs)
