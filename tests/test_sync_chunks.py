@@ -159,6 +159,23 @@ def test_a_small_model_is_published_and_pulled_in_one_round_trip(real, sends, ro
     ps.close()
 
 
+@pytest.mark.parametrize(("elements", "round_trips"), [(262144, 1), (262145, 2)])
+def test_parameters_of_one_part_are_published_in_one_round_trip(real, sends, elements,
+                                                                round_trips):  # fmt: skip
+    """Up to one part in all (1 MiB, as an apply's payload), the parameters travel in the
+    MULTI of the switch; above that, their parts are written first, then the switch."""
+    ps = ParameterServer("onepart", replicas_to_aggregate=1, client=real.client())
+    ps.initialize({"w": np.arange(elements, dtype=np.float32)})
+    sends[0] = 0
+    ps._publish()  # the same version again (what a retry sends)
+    assert sends[0] == round_trips + (1 if real.kind == "cluster" else 0)
+    worker = Worker("onepart", client=real.client())
+    _, params = worker.pull(timeout=5)
+    np.testing.assert_array_equal(params["w"], np.arange(elements, dtype=np.float32))
+    worker.close()
+    ps.close()
+
+
 def test_a_worker_steps_behind_pulls_the_newest_parameters(target):
     """The pull reads the version it expects next along with the hash; when the chief is
     further ahead, it reads the version the hash names instead."""

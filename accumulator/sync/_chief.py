@@ -343,9 +343,10 @@ class ParameterServer(_Job):
             self.keys.params, new_keys, old_keys, stale_keys,
             "" if cluster else self.keys.channel, announcement, _OLD_VERSION_MS, mapping,
         )  # fmt: skip
-        # Small parameters (a chunk in all) go in the MULTI of the switch: one round trip,
-        # and a part refused (maxmemory) aborts the whole publish.
-        small = nbytes <= _chunks.CHUNK_BYTES
+        # Small parameters (one part in all: up to 1 MiB, as an apply's payload) go in the
+        # MULTI of the switch: one round trip, and a part refused (maxmemory) aborts the
+        # whole publish.
+        small = nbytes <= _chunks.SOLE_PART_BYTES
 
         def switch(script: list[Any]) -> list[Any]:
             pipe = self.redis.pipeline(transaction=True)
