@@ -163,15 +163,21 @@ def test_a_small_model_is_published_and_pulled_in_one_round_trip(real, sends, ro
 def test_parameters_of_one_part_are_published_in_one_round_trip(real, sends, elements,
                                                                 round_trips):  # fmt: skip
     """Up to one part in all (1 MiB, as an apply's payload), the parameters travel in the
-    MULTI of the switch; above that, their parts are written first, then the switch."""
+    MULTI of the switch, and a steady worker reads them with the hash; above that, their
+    parts are written first, then the switch, and read after the hash."""
     ps = ParameterServer("onepart", replicas_to_aggregate=1, client=real.client())
     ps.initialize({"w": np.arange(elements, dtype=np.float32)})
     sends[0] = 0
     ps._publish()  # the same version again (what a retry sends)
     assert sends[0] == round_trips + (1 if real.kind == "cluster" else 0)
     worker = Worker("onepart", client=real.client())
-    _, params = worker.pull(timeout=5)
-    np.testing.assert_array_equal(params["w"], np.arange(elements, dtype=np.float32))
+    step, _ = worker.pull(timeout=5)
+    worker.push(step, {"w": np.ones(elements, np.float32)})
+    ps.step(0.5, timeout=5)
+    sends[0] = 0
+    step, params = worker.pull(after=step, timeout=5)
+    assert step == 1 and sends[0] == round_trips
+    np.testing.assert_array_equal(params["w"], np.arange(elements, dtype=np.float32) - 0.5)
     worker.close()
     ps.close()
 

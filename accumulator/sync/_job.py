@@ -207,14 +207,14 @@ class _Job:
 
         ``wanted``: the parameters are read only for a version it accepts (else the state
         comes without them). ``guess``: the version the caller expects next; when its
-        parameters are small (a chunk in all), they are read in the same round trip as the
-        hash and kept if the hash names that version (a worker's pull of a small model is
-        then one round trip)."""
+        parameters are small (one part in all, up to 1 MiB), they are read in the same round
+        trip as the hash and kept if the hash names that version (a worker's pull of a small
+        model is then one round trip)."""
         fields = ("run", "step", "done", "meta")
         missing: tuple[str, int] | None = None
         while True:
             early = None
-            if guess is not None and guess.nbytes <= _chunks.CHUNK_BYTES:
+            if guess is not None and guess.nbytes <= _chunks.SOLE_PART_BYTES:
                 early = self._param_buffers(guess.run, guess.step, guess.specs)
             head = [] if early is None else early[0]
 
