@@ -94,9 +94,7 @@ class AccumulatorBase(AccumulatorModel):
     ) -> None:
         self._setup(dtype, shape, shared_name, name, reduction_type, container,
                     max_pending_bytes, sum_in_redis, min_replicas, wait_aof,
-                    spread_parts)  # fmt: skip
-        if retry_window is not None:
-            self.retry_window = _retry.checked_window(retry_window)
+                    spread_parts, retry_window)  # fmt: skip
         self._conns = connect(client)
         self._cluster = is_cluster(self._conns.commands)
         # connections of waits in progress: close() from another thread breaks them (the

@@ -154,8 +154,11 @@ class AccumulatorModel:
         min_replicas: int = 0,
         wait_aof: bool = False,
         spread_parts: bool | None = None,
+        retry_window: float | None = None,
     ) -> None:
         """Check the constructor's arguments and set the state (no I/O)."""
+        if retry_window is not None:
+            self.retry_window = _retry.checked_window(retry_window)
         durability_of(min_replicas, wait_aof, self.durability_timeout)  # checks them
         self._min_replicas, self._wait_aof = min_replicas, wait_aof
         container = _check_name("" if container is None else container, "container")

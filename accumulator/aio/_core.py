@@ -110,9 +110,7 @@ class AccumulatorBase(AccumulatorModel):
     ) -> None:
         self._setup(dtype, shape, shared_name, name, reduction_type, container,
                     max_pending_bytes, sum_in_redis, min_replicas, wait_aof,
-                    spread_parts)  # fmt: skip
-        if retry_window is not None:
-            self.retry_window = _retry.checked_window(retry_window)
+                    spread_parts, retry_window)  # fmt: skip
         if not (client is None or isinstance(client, (str, aioredis.Redis, AsyncRedisCluster))):
             from ._connection import _check_client
 
