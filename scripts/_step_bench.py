@@ -12,6 +12,11 @@ applies of a round are in (over the empty server, as a multiple of one gradient)
 ``used_memory`` sampled during the steps, and a PING probe (its own process and connection,
 every 5 ms) during the steps: p99 and max, i.e. how long Redis stalls other clients.
 
+The sync helper's step (``accumulator.sync``: every worker pushes, the chief takes, updates
+and publishes, every worker pulls) is measured on both paths too, alternating with the
+accumulator step of the same size on the same server (the ratio issue 9 bounds), W=4; and,
+on the default path, models of many small tensors (``--tensors``).
+
 ``--tf-python PATH`` measures TensorFlow's parameter server the same way in the same run
 (``scripts/_tf_step.py`` under that Python) and prints our steps as ratios to it; the
 figures recorded in issue 9 on this kind of machine are printed beside them.
@@ -99,8 +104,9 @@ def _stop(pipes: list[Any], procs: list[Any]) -> None:
         proc.join(30)
 
 
-#: size, W, sync step ms, accumulator step ms, Redis used_memory after the steps / the model
-SyncRow = tuple[str, int, float, float | None, float]
+#: path, size, W, sync step ms, accumulator step ms, Redis used_memory after the steps / the
+#: model
+SyncRow = tuple[str, str, int, float, float | None, float]
 
 
 def steps_for(nbytes: int, runs: int) -> int:
@@ -112,10 +118,11 @@ def steps_for(nbytes: int, runs: int) -> int:
     return runs if nbytes <= 64 * MiB else max(2, runs // 5)
 
 
-def run_sync(url: str, sizes: dict[str, int], workers: int, runs: int,
+def run_sync(url: str, path: str, sizes: dict[str, int], workers: int, runs: int,
              verbose: bool, tensors: int = 1) -> list[SyncRow]:  # fmt: skip
-    """The sync helper's step: every worker pushes, the chief steps (takes, updates,
-    publishes), every worker pulls the new parameters; (size, W, median ms, the
+    """The sync helper's step on ``path``'s server: every worker pushes, the chief steps
+    (takes, updates, publishes), every worker pulls the new parameters; (path, size, W,
+    median ms, the
     accumulator step's median ms, Redis's ``used_memory`` after the last step over the
     model's bytes: its parameter versions, two at most) per size. With one tensor, an
     accumulator step of the same size (W workers apply, the chief takes) alternates with the
@@ -171,11 +178,11 @@ def run_sync(url: str, sizes: dict[str, int], workers: int, runs: int,
             chief.close()
         ps.close()
         median = 1000 * statistics.median(times)
-        out.append((label, workers, median, 1000 * statistics.median(base) if base else None,
-                    held))  # fmt: skip
+        out.append((path, label, workers, median,
+                    1000 * statistics.median(base) if base else None, held))  # fmt: skip
         if verbose:
-            print(f"  sync   W={workers} {label:>7}: {median:9.2f} ms  held {held:5.2f}x",
-                  file=sys.stderr)  # fmt: skip
+            print(f"  sync {path:6} W={workers} {label:>7}: {median:9.2f} ms  held "
+                  f"{held:5.2f}x", file=sys.stderr)  # fmt: skip
     r.close()
     return out
 
@@ -388,25 +395,26 @@ def main(argv: list[str] | None = None) -> int:
         with RedisServer(module=module, args=["--maxmemory", "0"]) as server:
             for w in args.workers:
                 rows += run_path(server.url, path, sizes, w, args.runs, not args.quiet)
-            if path == paths[0][0]:  # the sync helper on the default server
-                sync = run_sync(server.url, sizes, max(args.workers), args.runs, not args.quiet)
+            sync += run_sync(server.url, path, sizes, max(args.workers), args.runs,
+                             not args.quiet)  # fmt: skip
+            if path == paths[0][0]:  # models of many tensors: on the default server
                 small = {k: v for k, v in sizes.items() if v <= MiB}
-                for n in (t for t in args.tensors if t > 1):  # many small tensors
-                    sync += run_sync(server.url, small, max(args.workers), args.runs,
+                for n in (t for t in args.tensors if t > 1):
+                    sync += run_sync(server.url, path, small, max(args.workers), args.runs,
                                      not args.quiet, tensors=n)  # fmt: skip
     tf_ms = measure_tf(args.tf_python, sizes, args.runs, not args.quiet) if args.tf_python else None
     print(render(rows, tf_ms))
     if sync:
         print()
-        print(f"sync helper step (push, chief step, pull) on the {paths[0][0]} path, medians; "
-              "the accumulator step of the same size alternates with it:")  # fmt: skip
+        print("sync helper step (push, chief step, pull), medians; the accumulator step of the "
+              "same size and path alternates with it:")  # fmt: skip
         print()
-        print("| gradient | W | sync step | accumulator step | ratio | Redis held after |")
-        print("|---|---:|---:|---:|---:|---:|")
-        for label, w, ms, base_ms, held in sync:
+        print("| gradient | W | path | sync step | accumulator step | ratio | Redis held after |")
+        print("|---|---:|---|---:|---:|---:|---:|")
+        for path, label, w, ms, base_ms, held in sync:
             ratio = f"{ms / base_ms:.2f}" if base_ms else "—"
             shown = f"{base_ms:.2f} ms" if base_ms else "—"
-            print(f"| {label} | {w} | {ms:.2f} ms | {shown} | {ratio} | {held:.2f}× |")
+            print(f"| {label} | {w} | {path} | {ms:.2f} ms | {shown} | {ratio} | {held:.2f}× |")
         print()
         print("Redis held after: used_memory after the last step over the model's bytes (the "
               "current and the previous parameter version).")  # fmt: skip
