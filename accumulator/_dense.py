@@ -111,7 +111,7 @@ class DenseOps(AccumulatorModel):
                 flat[start:stop].view(self.dtype), grads, self.reduction_type, count=claim.count
             )
 
-        yield from claim.reader.read_chunks(flat.nbytes, consume)
+        yield from claim.reader.read_chunks(flat.nbytes, consume, into=flat.data)
         return out
 
 class ConditionalAccumulator(AccumulatorBase, DenseOps):

@@ -181,6 +181,13 @@ def _dense_float(grads: Sequence[np.ndarray], dtype: np.dtype, mean: bool) -> np
     return out
 
 
+def _same_data(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether ``a`` and ``b`` are the same elements of the same memory (a gradient received
+    straight into the result, see ``ClaimReader.read_chunks``)."""
+    return (a.dtype == b.dtype and a.shape == b.shape and a.strides == b.strides
+            and a.__array_interface__["data"][0] == b.__array_interface__["data"][0])  # fmt: skip
+
+
 def _float_into(
     out: np.ndarray, flat: Sequence[np.ndarray], dtype: np.dtype, mean: bool,
     count: int | None = None,
@@ -198,7 +205,8 @@ def _float_into(
     for start in range(0, max(out.size, 1), _BLOCK):
         part = slice(start, start + _BLOCK)
         acc = out[part]
-        acc[...] = flat[0][part]
+        if not _same_data(acc, flat[0][part]):  # received in place: nothing to copy
+            acc[...] = flat[0][part]
         flush = ftz and _any_small([g[part] for g in flat], dtype)
         for g in flat[1:]:
             if flush:  # denormals-are-zero on both operands, flush-to-zero on the result

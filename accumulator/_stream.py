@@ -51,17 +51,13 @@ class ClaimReader:
         )
 
     def _fetch(
-        self, requests: list[tuple[bytes, int, int, bool]], window: memoryview | None = None
+        self, requests: list[tuple[bytes, int, int, bool]], outs: list[memoryview] | None = None
     ) -> Ops[list[Any]]:
         """GET (whole part) or GETRANGE of each ``(key, start, stop, whole)``; every value
-        must be there at the expected length. With a ``window`` and only whole parts, the
-        values are received straight into it where the driver can (zero-copy, see
-        ``_wire``): they are then views of ``window``, valid until the next call."""
-        if window is not None and all(whole for *_, whole in requests):
-            outs, pos = [], 0
-            for _, start, stop, _ in requests:
-                outs.append(window[pos : pos + stop - start])
-                pos += stop - start
+        must be there at the expected length. With ``outs`` (a writable byte view per request,
+        of its length) and only whole parts, the values are received straight into them where
+        the driver can (zero-copy, see ``_wire``): they are then returned as those views."""
+        if outs is not None and all(whole for *_, whole in requests):
             keys = [key for key, *_ in requests]
             found = yield Receive(WHAT, keys, outs)
             if found is not None:
@@ -80,17 +76,27 @@ class ClaimReader:
         return list(values)
 
     def read_chunks(
-        self, nbytes: int, consume: Callable[[int, int, list[Any]], None]
-    ) -> Ops[None]:
+        self, nbytes: int, consume: Callable[[int, int, list[Any]], None],
+        into: memoryview | None = None,
+    ) -> Ops[None]:  # fmt: skip
         """``consume(start, stop, parts)`` for every chunk of payloads of ``nbytes`` each:
         ``parts`` holds bytes ``[start, stop)`` of every gradient, in apply order (bytes-like,
-        valid during the call only: they may be views of one reused receive buffer)."""
+        valid during the call only: they may be views of one reused receive buffer).
+
+        ``into``: the result's own bytes (``nbytes``, writable). The first gradient of the
+        round (the running sum on the accsum path), when it is read whole part by part, is
+        then received straight into it: its part is ``into[start:stop]`` itself, and the
+        receive buffer holds the other gradients only (none when the sum is in Redis: no
+        buffer at all, no copy)."""
         ranges = _chunks.part_ranges(nbytes)
         remote = sum(1 for s in self.sources if not isinstance(s, bytes))
+        first = self.sources[0] if self.sources else b""
+        direct = (into is not None and not isinstance(first, bytes)
+                  and len(first) == len(ranges) and None not in first)  # fmt: skip
         windows = list(_chunks.windows(len(ranges), max(1, remote)))
         longest = max(stop - start for start, stop in ranges)
-        most = max(len(w) for w in windows) * remote * longest
-        buffer = memoryview(bytearray(most)) if remote else memoryview(b"")
+        most = max(len(w) for w in windows) * (remote - direct) * longest
+        buffer = memoryview(bytearray(most)) if most else memoryview(b"")
 
         def key_of(s: list[bytes | None], j: int) -> bytes | None:
             # one key for a whole multi-part payload: a range of it; None: in the running sum
@@ -98,9 +104,11 @@ class ClaimReader:
 
         for window in windows:
             requests: list[tuple[bytes, int, int, bool]] = []
+            outs: list[memoryview] = []
+            pos = 0
             for j in window:
                 start, stop = ranges[j]
-                for s in self.sources:
+                for i, s in enumerate(self.sources):
                     if isinstance(s, bytes):
                         continue
                     key = key_of(s, j)
@@ -110,7 +118,12 @@ class ClaimReader:
                         requests.append((key, start, stop, False))
                     else:
                         requests.append((key, 0, stop - start, True))
-            fetched = iter((yield from self._fetch(requests, buffer)) if requests else ())
+                    if direct and i == 0:
+                        outs.append(cast(memoryview, into)[start:stop])
+                    else:
+                        outs.append(buffer[pos : pos + stop - start])
+                        pos += stop - start
+            fetched = iter((yield from self._fetch(requests, outs)) if requests else ())
             for j in window:
                 start, stop = ranges[j]
                 parts = [

@@ -132,6 +132,13 @@ def test_reducing_chunk_by_chunk_is_the_whole_reduction_bit_for_bit(dtype, w, n,
         for a, b in zip(cuts, cuts[1:], strict=False):
             _reduce.reduce_into(out[a:b], [g[a:b] for g in grads], reduction)
     assert out.tobytes() == whole.tobytes()
+    # the first gradient received straight into the result (ClaimReader.read_chunks)
+    inplace = grads[0].copy()
+    with np.errstate(all="ignore"):
+        for a, b in zip(cuts, cuts[1:], strict=False):
+            _reduce.reduce_into(inplace[a:b], [inplace[a:b], *(g[a:b] for g in grads[1:])],
+                                reduction)  # fmt: skip
+    assert inplace.tobytes() == whole.tobytes()
 
 
 @settings(max_examples=100, deadline=None)
@@ -282,6 +289,28 @@ def test_a_take_holds_one_result_plus_a_window_whatever_the_workers(real, worker
     assert total[0] == workers and total[-1] == workers
     result = total.nbytes
     assert peak < result + 2 * _chunks.WINDOW_BYTES + 2 * CHUNK, (peak, result)
+
+
+@pytest.mark.parametrize("grads", [1, 2])
+def test_the_rounds_first_gradient_is_received_straight_into_the_result(real, grads):
+    """The first gradient of a round (the running sum, when it is kept in Redis) lands in
+    the result's own memory: the take's receive buffer holds the other gradients only, and
+    there is none at all for a single source (no buffer's fresh pages to fault in, no copy)."""
+    shape = (4 * CHUNK,)  # 16 MiB of float32: 17 parts
+    acc = make(real, shape=shape, reduction_type="SUM")
+    for _ in range(grads):
+        acc.apply_grad(np.ones(shape, np.float32), local_step=0)
+    sources = 1 if acc.sums_in_redis else grads
+    per_window = max(1, _chunks.WINDOW_BYTES // (sources * CHUNK))
+    others = per_window * (sources - 1) * CHUNK  # a whole window of them: 8 MiB
+    tracemalloc.start()
+    try:
+        total = acc.take_grad(grads)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert total[0] == grads and total[-1] == grads
+    assert peak < total.nbytes + others + CHUNK // 2, (peak, total.nbytes, others)
 
 
 @pytest.mark.slow
