@@ -184,7 +184,9 @@ def _dense_float(grads: Sequence[np.ndarray], dtype: np.dtype, mean: bool) -> np
 def _same_data(a: np.ndarray, b: np.ndarray) -> bool:
     """Whether ``a`` and ``b`` are the same elements of the same memory (a gradient received
     straight into the result, see ``ClaimReader.read_chunks``)."""
-    return (a.dtype == b.dtype and a.shape == b.shape and a.strides == b.strides
+    # may_share_memory (bounds only) first: cheap, and False for the usual separate arrays
+    return (np.may_share_memory(a, b) and a.dtype == b.dtype and a.shape == b.shape
+            and a.strides == b.strides
             and a.__array_interface__["data"][0] == b.__array_interface__["data"][0])  # fmt: skip
 
 
