@@ -272,6 +272,17 @@ def test_the_apply_sends_the_callers_buffer_without_copying_it(real):
     assert peak < 4 * CHUNK, peak  # a copy of the gradient would be 16 chunks
 
 
+def traced_take(acc, n):
+    """take_grad(n) and the peak of Python's traced memory during it."""
+    tracemalloc.start()
+    try:
+        total = acc.take_grad(n)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    return total, peak
+
+
 @pytest.mark.parametrize("workers", [2, 8])
 def test_a_take_holds_one_result_plus_a_window_whatever_the_workers(real, workers):
     shape = (4 * CHUNK,)  # 16 MiB of float32 per gradient
@@ -280,12 +291,7 @@ def test_a_take_holds_one_result_plus_a_window_whatever_the_workers(real, worker
     for _ in range(workers):
         acc.apply_grad(g, local_step=0)
     del g
-    tracemalloc.start()
-    try:
-        total = acc.take_grad(workers)
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
+    total, peak = traced_take(acc, workers)
     assert total[0] == workers and total[-1] == workers
     result = total.nbytes
     assert peak < result + 2 * _chunks.WINDOW_BYTES + 2 * CHUNK, (peak, result)
@@ -303,12 +309,7 @@ def test_the_rounds_first_gradient_is_received_straight_into_the_result(real, gr
     sources = 1 if acc.sums_in_redis else grads
     per_window = max(1, _chunks.WINDOW_BYTES // (sources * CHUNK))
     others = per_window * (sources - 1) * CHUNK  # a whole window of them: 8 MiB
-    tracemalloc.start()
-    try:
-        total = acc.take_grad(grads)
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
+    total, peak = traced_take(acc, grads)
     assert total[0] == grads and total[-1] == grads
     assert peak < total.nbytes + others + CHUNK // 2, (peak, total.nbytes, others)
 
