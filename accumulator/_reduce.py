@@ -206,9 +206,9 @@ def _float_into(
     ftz = _ftz(dtype)
     for start in range(0, max(out.size, 1), _BLOCK):
         part = slice(start, start + _BLOCK)
-        acc = out[part]
-        if not _same_data(acc, flat[0][part]):  # received in place: nothing to copy
-            acc[...] = flat[0][part]
+        acc, first = out[part], flat[0][part]
+        if not _same_data(acc, first):  # received in place: nothing to copy
+            acc[...] = first
         flush = ftz and _any_small([g[part] for g in flat], dtype)
         for g in flat[1:]:
             if flush:  # denormals-are-zero on both operands, flush-to-zero on the result

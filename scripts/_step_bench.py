@@ -122,9 +122,8 @@ def run_sync(url: str, path: str, sizes: dict[str, int], workers: int, runs: int
              verbose: bool, tensors: int = 1) -> list[SyncRow]:  # fmt: skip
     """The sync helper's step on ``path``'s server: every worker pushes, the chief steps
     (takes, updates, publishes), every worker pulls the new parameters; (path, size, W,
-    median ms, the
-    accumulator step's median ms, Redis's ``used_memory`` after the last step over the
-    model's bytes: its parameter versions, two at most) per size. With one tensor, an
+    median ms, the accumulator step's median ms, Redis's ``used_memory`` after the last step
+    over the model's bytes: its parameter versions, two at most) per size. With one tensor, an
     accumulator step of the same size (W workers apply, the chief takes) alternates with the
     sync steps, on the same server, so that both medians see the same machine; with
     ``tensors``: a model of that many parameters of the size each (the label says so; no
