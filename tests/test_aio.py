@@ -171,9 +171,11 @@ def test_a_woken_take_claims_in_the_round_trip_of_its_wait(real, monkeypatch):
     other.close()
 
 
-def _cancel_at(acc: Any, match: Callable[[Any], bool], *, started: bool = False) -> None:
+def _cancel_at(acc: Any, match: Callable[[Any], bool], *, started: bool = False,
+               cancel: Callable[[asyncio.Task[Any]], Any] | None = None) -> None:  # fmt: skip
     """Cancel the task running ``acc``'s protocol at a matching request: before it is sent,
-    or (``started``) once it is on its way."""
+    or (``started``) once it is on its way; ``cancel(task)`` instead of ``task.cancel()``
+    (a timeout scope expiring)."""
     do = acc._do
 
     def do_and_cancel(conns: Any, request: Any) -> Any:
@@ -181,14 +183,15 @@ def _cancel_at(acc: Any, match: Callable[[Any], bool], *, started: bool = False)
         assert caller is not None
         if not match(request):
             return do(conns, request)
+        stop = cancel or (lambda task: task.cancel())
         if not started:
-            caller.cancel()  # lands at the request's first await
+            stop(caller)  # lands at the request's first await
             return do(conns, request)
 
         async def cancel_midway() -> Any:
             work = asyncio.ensure_future(do(conns, request))
             await asyncio.sleep(0)  # the request is being sent
-            caller.cancel()
+            stop(caller)
             return await work
 
         return cancel_midway()
@@ -229,6 +232,56 @@ def test_a_cancel_during_the_final_commit_lets_the_take_complete(target):
             np.testing.assert_array_equal(got, np.full(3, 4.0))
             del acc._do
             assert (await acc.num_accumulated(), await acc.global_step()) == (0, 1)
+
+    run(main)
+
+
+def test_a_task_that_only_takes_returns_the_round_when_cancelled_during_the_commit(target):
+    """The take is the task's whole coroutine: the cancel held back by its final commit must
+    not reach the task before it has returned (a task that returns with a cancel pending
+    throws its result away: the round, finished in Redis, would be lost)."""
+
+    async def main() -> None:
+        async with dense(target) as acc:
+            await acc.apply_grad(np.full(3, 4.0))
+            _cancel_at(acc, lambda r: isinstance(r, Call) and r.name == "finish", started=True)
+            got = await asyncio.create_task(acc.take_grad(1))
+            np.testing.assert_array_equal(got, np.full(3, 4.0))
+            _cancel_at(acc, lambda r: isinstance(r, Batch) and r.what == "apply_grad",
+                       started=True)  # fmt: skip
+            assert await asyncio.create_task(acc.apply_grad(np.ones(3), local_step=1)) is True
+            del acc._do
+            assert (await acc.num_accumulated(), await acc.global_step()) == (1, 1)
+
+    run(main)
+
+
+@pytest.mark.skipif(not hasattr(asyncio, "timeout"), reason="asyncio.timeout: Python 3.11+")
+def test_a_timeout_scope_that_expires_during_the_commit_gets_the_round_and_no_stray_cancel(
+    target,
+):
+    """An ``asyncio.timeout`` (and ``wait_for`` on 3.12+) scope that expires while the take's
+    final commit is in flight: the take returns the round inside the scope, the scope exits
+    without an error, and no cancel is left to hit the caller's next await."""
+
+    async def main() -> None:
+        async with dense(target) as acc:
+            await acc.apply_grad(np.full(3, 4.0))
+            loop = asyncio.get_running_loop()
+            async with asyncio.timeout(None) as scope:
+
+                def expire(_: Any) -> None:
+                    scope.reschedule(loop.time())
+
+                _cancel_at(acc, lambda r: isinstance(r, Call) and r.name == "finish",
+                           started=True, cancel=expire)  # fmt: skip
+                got = await acc.take_grad(1)
+            assert scope.expired()
+            np.testing.assert_array_equal(got, np.full(3, 4.0))
+            del acc._do
+            await asyncio.sleep(0.05)  # a stray cancel would land here
+            assert await acc.apply_grad(np.ones(3), local_step=1) is True
+            assert (await acc.num_accumulated(), await acc.global_step()) == (1, 1)
 
     run(main)
 

@@ -71,12 +71,25 @@ async def _complete(work: Awaitable[_T]) -> tuple[_T, bool]:
 
 
 def _rearm(task: asyncio.Task[Any] | None) -> None:
-    """Deliver a cancel that was held back again, at the caller's next await (without
-    counting it twice, for ``asyncio.timeout`` and task groups)."""
-    if task is None:
+    """Deliver a cancel that a commit held back, once the operation has returned: at the
+    caller's next ``await``. Not at once: a task whose coroutine returns while a cancel is
+    pending discards the return value (a take's round, already finished in Redis, would be
+    lost), so the cancel is re-armed from the loop, after the return (:func:`_redeliver`)."""
+    if task is not None:
+        task.get_loop().call_soon(_redeliver, task)
+
+
+def _redeliver(task: asyncio.Task[Any]) -> None:
+    """The held-back cancel, if it is still wanted: not when the task has ended (the
+    operation was all it ran: its result stands), nor when the cancel was withdrawn (an
+    ``asyncio.timeout`` scope that the operation finished in took it back on exit); counted
+    once (for timeout scopes and task groups)."""
+    if task.done():
         return
-    uncancel = getattr(task, "uncancel", None)
-    if callable(uncancel):
+    cancelling, uncancel = getattr(task, "cancelling", None), getattr(task, "uncancel", None)
+    if callable(cancelling) and callable(uncancel):  # Python 3.11+
+        if cancelling() == 0:
+            return
         uncancel()
     task.cancel()
 
@@ -233,7 +246,8 @@ class AccumulatorBase(AccumulatorModel):
         holds) at the latest before its next request, also one that library code swallowed
         (redis-py's pipelines can). A commit in flight is never cut: a cancel arriving then
         lets the operation complete; it then returns its result and the cancel lands at the
-        caller's next await (or, if the operation failed, it raises CancelledError)."""
+        caller's next await, if there is one (see :func:`_rearm`; if the operation failed, it
+        raises CancelledError)."""
         self._drives += 1
         try:
             return await self._drive_steps(conns, ops)
