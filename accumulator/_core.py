@@ -185,7 +185,7 @@ class AccumulatorBase(AccumulatorModel):
                             lambda: get_into(commands, request.keys, request.outs))  # fmt: skip
         if isinstance(request, Pop):
             # on a cluster, short slices: a wait on a node the slot has left ends soon
-            timeout = min(request.timeout, 0.5) if self._cluster else request.timeout
+            timeout = min(request.seconds(), 0.5) if self._cluster else request.seconds()
             then: list[Any] = []  # the reply of request.then, when made here
             waited = self._wait(self._blpop, self._conns.blocking, request.key, timeout,
                                 request.then, then)  # fmt: skip
@@ -199,7 +199,7 @@ class AccumulatorBase(AccumulatorModel):
                 return None
             return queue
         if isinstance(request, Listen):
-            return self._wait(request.handle.get_message, timeout=request.timeout)
+            return self._wait(request.handle.get_message, timeout=request.seconds())
         if isinstance(request, Unsubscribe):
             return self._drop_queue(request.handle)
         raise TypeError(f"unknown request {request!r}")

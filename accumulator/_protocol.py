@@ -416,12 +416,12 @@ def take(
                 if queue is not None:
                     yield Unsubscribe(queue)
                     queue = None
-                reply = yield Pop(k.wake, max(wait, 0.001), then=take_call)
+                reply = yield Pop(k.wake, max(wait, 0.001), then=take_call, until=deadline)
             elif queue is None:
                 # Queued: a head change is broadcast. Subscribe, then re-check at once,
                 # so that a change between the check and the subscription is not missed.
                 queue = yield Subscribe(k.queue_wake)
-            elif not (yield Listen(queue, max(wait, 0.001))):
+            elif not (yield Listen(queue, max(wait, 0.001), until=deadline)):
                 yield Unsubscribe(queue)
                 queue = None
         claim = read_claim(acc, entries, claim_key, reply[4] if len(reply) > 4 else None)

@@ -12,6 +12,7 @@ each is idempotent by construction, so a re-sent one counts once.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias, TypeVar
@@ -84,6 +85,12 @@ class Pop:
     key: str
     timeout: float
     then: Call | None = None
+    #: the caller's deadline (``time.monotonic()``): see :func:`wait_seconds`
+    until: float | None = None
+
+    def seconds(self) -> float:
+        """How long to wait now: see :func:`wait_seconds`."""
+        return wait_seconds(self.timeout, self.until)
 
 
 @dataclass(frozen=True)
@@ -100,6 +107,21 @@ class Listen:
 
     handle: Any
     timeout: float
+    #: the caller's deadline (``time.monotonic()``): see :func:`wait_seconds`
+    until: float | None = None
+
+    def seconds(self) -> float:
+        """How long to wait now: see :func:`wait_seconds`."""
+        return wait_seconds(self.timeout, self.until)
+
+
+def wait_seconds(timeout: float, until: float | None) -> float:
+    """A wait's ``timeout``, cut to what is left before ``until`` when it is served later than
+    it was asked for (several takes' waits are served one after the other: each must still
+    end by its own deadline), at least 1 ms."""
+    if until is None:
+        return timeout
+    return max(0.001, min(timeout, until - time.monotonic()))
 
 
 @dataclass(frozen=True)

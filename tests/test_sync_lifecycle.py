@@ -465,10 +465,144 @@ def test_a_step_timeout_names_the_parameter(target):
     with pytest.raises(accumulator.DeadlineExceededError) as info:
         ps.step(LR, timeout=0.3)
     text = str(info.value)
-    assert "sync job 'slow', step 0: parameter 'emb' (sparse)" in text
+    # every parameter that waited in vain is named (their waits end by one deadline)
+    assert "sync job 'slow', step 0: parameters 'emb' (sparse), 'b' (dense)" in text
     assert "did not get 2 gradients within 0.3s" in text and "kept for the next step(): 'w'" in text
     assert "accumulator 'slow/emb'" in text and "0 of 2 gradients at global step 0" in text
     dense.close()
+    ps.close()
+
+
+def test_a_step_timeout_bounds_the_whole_step_whatever_the_parameters(target):
+    """The takes of a step wait one after the other: each wait ends by the step's deadline,
+    so a step of many parameters raises after about ``timeout``, not ``timeout`` per
+    parameter (8 x 0.5 s before)."""
+    params = {f"p{k}": np.zeros(3) for k in range(8)}
+    ps = ParameterServer("many", replicas_to_aggregate=1, client=target.client())
+    ps.initialize(params)
+    start = time.monotonic()
+    with pytest.raises(accumulator.DeadlineExceededError, match="parameters 'p0' .*'p7'"):
+        ps.step(LR, timeout=0.5)
+    assert time.monotonic() - start < 2.0
+    ps.close()
+
+
+@pytest.mark.parametrize("replicas", [1.9, True, "2", 0])
+def test_replicas_to_aggregate_is_checked_as_num_required_is(replicas):
+    with pytest.raises(accumulator.InvalidArgumentError, match="replicas_to_aggregate"):
+        ParameterServer("args", replicas_to_aggregate=replicas, client="redis://unused:1")
+
+
+def test_initialize_with_a_bad_step_deletes_nothing(target):
+    ps = ParameterServer("keep", replicas_to_aggregate=1, sparse={"emb"}, client=target.client())
+    ps.initialize(_params(), step=3)
+    ps.close()
+    again = ParameterServer("keep", replicas_to_aggregate=1, sparse={"emb"},
+                            client=target.client())  # fmt: skip
+    with pytest.raises(accumulator.InvalidArgumentError, match="step must be an integer"):
+        again.initialize(_params(), resume=False, step=2.5)
+    worker = Worker("keep", client=target.client())
+    step, params = worker.pull(timeout=5)  # the published job is still there
+    assert step == 3
+    _assert_params(params, _params())
+    worker.close()
+    again.close()
+
+
+def test_a_learning_rate_missing_from_the_mapping_is_refused_before_anything_is_taken(target):
+    ps = ParameterServer("rates", replicas_to_aggregate=1, sparse={"emb"}, client=target.client())
+    ps.initialize(_params())
+    worker = Worker("rates", client=target.client())
+    step, params = worker.pull(timeout=5)
+    grads = _grad(params, step, 0)
+    worker.push(step, grads)
+    for bad, match in (({"w": LR, "emb": LR}, r"no learning rate for parameters \['b'\]"),
+                       ({"w": LR, "emb": LR, "b": "fast"}, "learning rate of 'b' must be a")):
+        with pytest.raises(ValueError, match=match):
+            ps.step(bad, timeout=5)
+        assert [ps._accs[n].num_accumulated() for n in ("w", "emb", "b")] == [1, 1, 1]
+        assert _steps(target, "rates") == {"w": 0, "emb": 0, "b": 0}
+    assert ps.step({"w": LR, "emb": LR, "b": LR}, timeout=5) == 1
+    _assert_params(worker.pull(after=0, timeout=5)[1], _update(_params(), [grads]))
+    worker.close()
+    ps.close()
+
+
+def test_an_update_that_raises_gets_the_same_gradients_from_the_next_step(target):
+    ps = ParameterServer("upd", replicas_to_aggregate=1, sparse={"emb"}, client=target.client())
+    ps.initialize(_params())
+    worker = Worker("upd", client=target.client())
+    step, params = worker.pull(timeout=5)
+    grads = _grad(params, step, 0)
+    worker.push(step, grads)
+    calls = []
+
+    def sgd(params, grads, step):
+        calls.append(step)
+        if len(calls) == 1:
+            raise RuntimeError("update failed")
+        params["w"] -= LR * grads["w"]
+        params["b"] -= LR * grads["b"]
+        params["emb"][grads["emb"].indices] -= LR * grads["emb"].values
+
+    with pytest.raises(RuntimeError, match="update failed"):
+        ps.step(sgd, timeout=5)
+    assert ps.global_step == 0 and worker.pull(timeout=5)[0] == 0
+    assert ps.step(sgd, timeout=1) == 1  # nothing more to wait for: the same gradients
+    assert calls == [0, 0]
+    _assert_params(worker.pull(after=0, timeout=5)[1], _update(_params(), [grads]))
+    worker.close()
+    ps.close()
+
+
+def test_a_failed_publish_is_completed_by_the_next_step(target, monkeypatch):
+    ps = ParameterServer("pub", replicas_to_aggregate=1, sparse={"emb"}, client=target.client())
+    ps.initialize(_params())
+    worker = Worker("pub", client=target.client())
+    step, params = worker.pull(timeout=5)
+    grads = _grad(params, step, 0)
+    worker.push(step, grads)
+    publish = ParameterServer._publish
+
+    def refused(self, **kw):
+        raise accumulator.ResourceExhaustedError("OOM while publishing (injected)")
+
+    monkeypatch.setattr(ParameterServer, "_publish", refused)
+    with pytest.raises(accumulator.ResourceExhaustedError):
+        ps.step(LR, timeout=5)
+    assert worker.pull(timeout=5)[0] == 0  # not published yet
+    monkeypatch.setattr(ParameterServer, "_publish", publish)
+    assert ps.step(LR, timeout=0.2) == 1  # the step completed: published, no new take
+    step, params = worker.pull(after=0, timeout=5)
+    assert step == 1
+    want = _update(_params(), [grads])
+    _assert_params(params, want)
+    worker.push(step, _grad(params, step, 0))  # and the job goes on
+    assert ps.step(LR, timeout=5) == 2
+    _assert_params(worker.pull(after=1, timeout=5)[1], _update(want, [_grad(want, 1, 0)]))
+    worker.close()
+    ps.close()
+
+
+def test_a_publish_refused_at_maxmemory_raises_resource_exhausted(own_server):
+    """A model of several parts is written before the switch; Redis refusing one (maxmemory)
+    is our ResourceExhaustedError, and the step completes once memory is there."""
+    r = own_server.redis()
+    ps = ParameterServer("oom", replicas_to_aggregate=1, sparse={"emb"}, client=own_server.url)
+    ps.initialize({"emb": np.zeros(((6 << 20) // 8 // 16, 16))})  # 6 MiB of float64
+    worker = Worker("oom", client=own_server.url)
+    step, _ = worker.pull(timeout=5)
+    worker.push(step, {"emb": (np.array([1]), np.ones((1, 16)))})
+    r.config_set("maxmemory", int(r.info("memory")["used_memory"]) + (1 << 20))
+    try:
+        with pytest.raises(accumulator.ResourceExhaustedError):
+            ps.step(LR, timeout=5)
+    finally:
+        r.config_set("maxmemory", 0)
+    assert ps.step(LR, timeout=0.2) == 1
+    step, params = worker.pull(after=0, timeout=5)
+    assert step == 1 and params["emb"][1, 0] == -LR and params["emb"][0, 0] == 0
+    worker.close()
     ps.close()
 
 

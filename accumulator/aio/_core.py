@@ -309,11 +309,12 @@ class AccumulatorBase(AccumulatorModel):
         if isinstance(request, Pop):
             then: list[Any] = []  # the reply of request.then, when made here
             if is_cluster(conns.blocking):  # routed by key; short slices keep it closable
-                blocking, key, seconds = conns.blocking, request.key, min(request.timeout, 0.5)
+                blocking, key, seconds = conns.blocking, request.key, min(request.seconds(), 0.5)
                 waited = await self._wait(lambda: blocking.blpop([key], seconds))
             else:
                 waited = await self._wait(lambda: self._blpop(
-                    conns.blocking, request.key, request.timeout, request.then, then))  # fmt: skip
+                    conns.blocking, request.key, request.seconds(), request.then,
+                    then))  # fmt: skip
             return waited if request.then is None else (then[0] if then else None)
         if isinstance(request, Subscribe):
             blocking = conns.blocking
@@ -328,7 +329,7 @@ class AccumulatorBase(AccumulatorModel):
                 return None
             return queue
         if isinstance(request, Listen):
-            handle, seconds = request.handle, request.timeout
+            handle, seconds = request.handle, request.seconds()
             return await self._wait(
                 lambda: handle.get_message(ignore_subscribe_messages=True, timeout=seconds)
             )

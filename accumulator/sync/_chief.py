@@ -11,21 +11,22 @@ import socket
 import uuid
 import weakref
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 from redis.exceptions import NoScriptError, ResponseError
 
 from .. import _admin, _chunks, _retry, _scripts
+from .._codec import scalar_int
 from .._connection import Client, is_cluster
-from .._errors import DeadlineExceededError, NotFoundError
+from .._errors import DeadlineExceededError, InvalidArgumentError, NotFoundError
 from .._keys import Keys, is_done_mark
 from .._requests import Call
 from .._stream import write_parts
 from .._together import call_step, run_together
 from ._job import TrainingFinished, _Job, _text, accumulator_name
 from ._lease import CHIEF_LEASE_SECONDS, _ChiefLease, chief_key
-from ._params import Update, apply_update, specs_for, zero_grad
+from ._params import Update, apply_update, learning_rates, specs_for, zero_grad
 from ._published import (
     ANNOUNCE_BYTES,
     ParamSpec,
@@ -72,8 +73,9 @@ class ParameterServer(_Job):
         chief_lease: float = CHIEF_LEASE_SECONDS,
         retry_window: float = _retry.RETRY_WINDOW,
     ) -> None:
-        if int(replicas_to_aggregate) < 1:
-            raise ValueError(f"replicas_to_aggregate must be >= 1, got {replicas_to_aggregate}")
+        replicas = scalar_int(replicas_to_aggregate, "replicas_to_aggregate")
+        if replicas < 1:
+            raise InvalidArgumentError(f"replicas_to_aggregate must be >= 1, got {replicas}")
         if reduction_type not in ("MEAN", "SUM"):
             raise ValueError(f"reduction_type must be 'MEAN' or 'SUM', got {reduction_type!r}")
         if not chief_lease > 0:
@@ -81,7 +83,7 @@ class ParameterServer(_Job):
         if chief_id is not None and (not isinstance(chief_id, str) or not chief_id):
             raise ValueError(f"chief_id must be a non-empty string, got {chief_id!r}")
         super().__init__(job, client=client, container=container, retry_window=retry_window)
-        self.replicas_to_aggregate = int(replicas_to_aggregate)
+        self.replicas_to_aggregate = replicas
         self.sparse = frozenset(sparse)
         self.reduction_type = reduction_type
         #: This chief's name in the job's chief lease.
@@ -104,6 +106,9 @@ class ParameterServer(_Job):
         # After a restart it also holds the zero gradients of parameters whose round the
         # previous chief had read before it died.
         self._taken: dict[str, Any] = {}
+        #: after an update whose publish failed: whether it was to be the final step (the
+        #: next :meth:`step` publishes it); None otherwise
+        self._unpublished: bool | None = None
 
     @property
     def global_step(self) -> int:
@@ -163,6 +168,7 @@ class ParameterServer(_Job):
         ``wait_for_chief`` seconds for it to run out.
         """
         specs, arrays = specs_for(params, self.sparse)
+        step = scalar_int(step, "step")  # checked before anything is read or deleted
         if resume:
             published = self._read_published()
             if published is not None:
@@ -185,7 +191,7 @@ class ParameterServer(_Job):
                 for acc in self._accs.values():
                     acc.set_global_step(step)
             self._params, self._step, self._run = arrays, int(step), uuid.uuid4().hex
-            self._taken, self._done = {}, False
+            self._taken, self._done, self._unpublished = {}, False, None
             self._publish(meta=True)
         except BaseException:
             if not held:
@@ -201,7 +207,7 @@ class ParameterServer(_Job):
         them open to pushes)."""
         self._specs = list(published.specs)
         self._params, self._run, self._step = published.params, published.run, published.step
-        self._taken, self._done = {}, True
+        self._taken, self._done, self._unpublished = {}, True, None
         self._close_accumulators()
         self._seal_stored(published.specs, published.step)
         logger.info(
@@ -214,7 +220,7 @@ class ParameterServer(_Job):
         self._open_accumulators(published.specs, published.reduction)
         self._params, self._run = published.params, published.run
         self._published_version, self._older_version = (published.run, published.step), None
-        self._taken, self._done = {}, False
+        self._taken, self._done, self._unpublished = {}, False, None
         at = published.step
         steps = {name: acc.global_step() for name, acc in self._accs.items()}
         if any(s > at + 1 for s in steps.values()):
@@ -374,7 +380,13 @@ class ParameterServer(_Job):
                 pipe = self.redis.pipeline(transaction=False)
                 for keys, data in parts:
                     write_parts(pipe, keys, data)
-                pipe.execute()
+                try:
+                    pipe.execute()
+                except ResponseError as exc:  # maxmemory, ACL: ours, as every other refusal
+                    error = _scripts.translate(exc)
+                    if error is exc:
+                        raise
+                    raise error from exc
             try:
                 reply = switch(_scripts.evalsha_args("sync_lease", lease_keys, lease_args))
             except NoScriptError:  # not loaded (a restarted server): the source itself
@@ -407,6 +419,12 @@ class ParameterServer(_Job):
 
         ``timeout`` (seconds) raises :class:`~accumulator.DeadlineExceededError` naming the
         parameter waited on; what was taken is kept and the next call continues from there.
+        So does any step that raises: an update that raised is made again, with the same
+        gradients, by the next call (a function that changed the parameters or the gradients
+        in place before it raised must undo that itself); parameters updated but not
+        published (Redis refused or failed the write) are published by the next call, which
+        then returns (it is that step's completion, not a new step). A learning rate missing
+        from a mapping is refused before anything is taken.
 
         ``final`` publishes the new parameters as the job's last (as :meth:`finish`, in the
         same write: no worker computes a gradient for a step that will never be taken).
@@ -422,6 +440,9 @@ class ParameterServer(_Job):
                 "initialize(resume=False) starts it anew"
             )
         self._lease.check(renew=False)
+        if self._unpublished is not None:  # the last call updated, but could not publish
+            return self._finish_step(self._unpublished or final)
+        learning_rates(update, self._specs)  # refused before anything is taken
         # every parameter's take at once: their script calls share round trips
         todo = [spec for spec in self._specs if spec.name not in self._taken]
 
@@ -435,26 +456,35 @@ class ParameterServer(_Job):
         ], taken)  # fmt: skip
         failures = [(spec, value) for spec, (ok, value) in zip(todo, outcomes, strict=True)
                     if not ok]  # fmt: skip
-        for spec, exc in failures:
-            if isinstance(exc, DeadlineExceededError):
-                kept = sorted(self._taken)
-                raise DeadlineExceededError(
-                    f"sync job {self.job!r}, step {self._step}: parameter {spec.name!r} "
-                    f"({spec.kind}) did not get {self.replicas_to_aggregate} gradients within "
-                    f"{timeout:g}s; taken and kept for the next step(): "
-                    f"{', '.join(repr(n) for n in kept) or 'none'} ({exc})"
-                ) from exc
+        late = [(spec, exc) for spec, exc in failures if isinstance(exc, DeadlineExceededError)]
+        if late:
+            kept = sorted(self._taken)
+            names = ", ".join(f"{spec.name!r} ({spec.kind})" for spec, _ in late)
+            raise DeadlineExceededError(
+                f"sync job {self.job!r}, step {self._step}: parameter{'s' * (len(late) > 1)} "
+                f"{names} did not get {self.replicas_to_aggregate} gradients within "
+                f"{timeout:g}s; taken and kept for the next step(): "
+                f"{', '.join(repr(n) for n in kept) or 'none'} ({late[0][1]})"
+            ) from late[0][1]
         if failures:
             raise failures[0][1]
         self._lease.check(renew=False)  # the publish renews it and is fenced by it
-        grads, self._taken = self._taken, {}
-        self._params = apply_update(update, self._specs, self._params, grads, self._step)
+        # the gradients stay taken until the update is made (a raising update gets them again)
+        self._params = apply_update(update, self._specs, self._params, self._taken, self._step)
+        self._taken = {}
         self._step += 1
+        return self._finish_step(final)
+
+    def _finish_step(self, final: bool) -> int:
+        """Publish the updated parameters (kept as unpublished while that fails: the next
+        :meth:`step` publishes them), then seal a final step's accumulators."""
+        self._unpublished = bool(final)
         self._publish(done=final)
+        self._unpublished = None
         self._done = bool(final)
         if final:
             self._seal()
-        return self._step
+        return cast(int, self._step)
 
     def finish(self) -> None:
         """Mark the job finished: workers waiting in ``pull(after=...)`` get
@@ -466,8 +496,8 @@ class ParameterServer(_Job):
             raise RuntimeError("call initialize() first")
         if not self._done:
             self._lease.check(renew=False)
-            self._publish(done=True)
-            self._done = True
+            self._publish(done=True)  # (with an unpublished step's parameters too)
+            self._done, self._unpublished = True, None
         self._seal()  # (again: a seal the last call could not finish)
 
     def _seal(self) -> None:

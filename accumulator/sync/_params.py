@@ -65,16 +65,11 @@ def apply_update(
     in place, for learning rates (dense float gradients are scaled in place too: they are
     the chief's taken ones, seen by no one else); what a function returned (checked), or
     ``params`` it updated in place, for a function."""
-    if callable(update):
+    rates = learning_rates(update, specs)
+    if rates is None:
+        assert callable(update)
         out = update(params, grads, step)
         return checked_params(specs, params if out is None else out)
-    if isinstance(update, Mapping):
-        missing = [s.name for s in specs if s.name not in update]
-        if missing:
-            raise ValueError(f"no learning rate for parameters {missing}")
-        rates = {name: float(lr) for name, lr in update.items()}
-    else:
-        rates = {s.name: float(update) for s in specs}
     for spec in specs:
         p, g, lr = params[spec.name], grads[spec.name], rates[spec.name]
         if spec.kind == "sparse":
@@ -87,6 +82,29 @@ def apply_update(
         else:
             p -= np.asarray(lr * g, dtype=p.dtype)
     return params
+
+
+def learning_rates(update: Update, specs: list[ParamSpec]) -> dict[str, float] | None:
+    """Each parameter's learning rate in ``update``, or None for an update function; raises
+    ``ValueError`` (a parameter without one, not a number) before anything is changed:
+    :meth:`ParameterServer.step` checks it before it takes a gradient."""
+    if callable(update):
+        return None
+    if isinstance(update, Mapping):
+        missing = [s.name for s in specs if s.name not in update]
+        if missing:
+            raise ValueError(f"no learning rate for parameters {missing}")
+        items = [(s.name, update[s.name]) for s in specs]
+    else:
+        items = [(s.name, update) for s in specs]
+    rates = {}
+    for name, lr in items:
+        try:
+            rates[name] = float(lr)
+        except (TypeError, ValueError):
+            raise ValueError(f"the learning rate of {name!r} must be a number (or update a "
+                             f"function), got {lr!r}") from None  # fmt: skip
+    return rates
 
 
 def _scalable_in_place(g: Any, p: np.ndarray) -> bool:
