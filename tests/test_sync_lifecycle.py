@@ -487,6 +487,17 @@ def test_a_step_timeout_bounds_the_whole_step_whatever_the_parameters(target):
     ps.close()
 
 
+def _one_push(target, job: str) -> tuple[ParameterServer, Worker, dict]:
+    """A job of _params() at step 0 with one worker's gradients pushed (one replica)."""
+    ps = ParameterServer(job, replicas_to_aggregate=1, sparse={"emb"}, client=target.client())
+    ps.initialize(_params())
+    worker = Worker(job, client=target.client())
+    step, params = worker.pull(timeout=5)
+    grads = _grad(params, step, 0)
+    worker.push(step, grads)
+    return ps, worker, grads
+
+
 @pytest.mark.parametrize("replicas", [1.9, True, "2", 0])
 def test_replicas_to_aggregate_is_checked_as_num_required_is(replicas):
     with pytest.raises(accumulator.InvalidArgumentError, match="replicas_to_aggregate"):
@@ -510,12 +521,7 @@ def test_initialize_with_a_bad_step_deletes_nothing(target):
 
 
 def test_a_learning_rate_missing_from_the_mapping_is_refused_before_anything_is_taken(target):
-    ps = ParameterServer("rates", replicas_to_aggregate=1, sparse={"emb"}, client=target.client())
-    ps.initialize(_params())
-    worker = Worker("rates", client=target.client())
-    step, params = worker.pull(timeout=5)
-    grads = _grad(params, step, 0)
-    worker.push(step, grads)
+    ps, worker, grads = _one_push(target, "rates")
     for bad, match in (({"w": LR, "emb": LR}, r"no learning rate for parameters \['b'\]"),
                        ({"w": LR, "emb": LR, "b": "fast"}, "learning rate of 'b' must be a")):
         with pytest.raises(ValueError, match=match):
@@ -529,12 +535,7 @@ def test_a_learning_rate_missing_from_the_mapping_is_refused_before_anything_is_
 
 
 def test_an_update_that_raises_gets_the_same_gradients_from_the_next_step(target):
-    ps = ParameterServer("upd", replicas_to_aggregate=1, sparse={"emb"}, client=target.client())
-    ps.initialize(_params())
-    worker = Worker("upd", client=target.client())
-    step, params = worker.pull(timeout=5)
-    grads = _grad(params, step, 0)
-    worker.push(step, grads)
+    ps, worker, grads = _one_push(target, "upd")
     calls = []
 
     def sgd(params, grads, step):
@@ -556,12 +557,7 @@ def test_an_update_that_raises_gets_the_same_gradients_from_the_next_step(target
 
 
 def test_a_failed_publish_is_completed_by_the_next_step(target, monkeypatch):
-    ps = ParameterServer("pub", replicas_to_aggregate=1, sparse={"emb"}, client=target.client())
-    ps.initialize(_params())
-    worker = Worker("pub", client=target.client())
-    step, params = worker.pull(timeout=5)
-    grads = _grad(params, step, 0)
-    worker.push(step, grads)
+    ps, worker, grads = _one_push(target, "pub")
     publish = ParameterServer._publish
 
     def refused(self, **kw):
