@@ -322,6 +322,9 @@ def test_watch_ctrl_c_exits_0(real: Target, make: Callable[..., Any]) -> None:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # Ctrl-C as in a terminal, also when the tests run where SIGINT is ignored (a job
+        # started in the background by a non-interactive shell): ignored, it would stay so
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         assert proc.stdout is not None
