@@ -20,7 +20,7 @@ from typing import Any
 import redis
 from redis.sentinel import Sentinel
 
-from .testing import RedisServer, find_server_binary
+from .testing import RedisServer, _death_signal, find_server_binary
 
 log = logging.getLogger("accumulator.testing")
 
@@ -155,7 +155,8 @@ class SentinelGroup(ReplicaSet):
                 self._dirs.append(folder)
                 with open(folder / "stdout.log", "wb") as out:
                     self._procs.append(subprocess.Popen(
-                        [binary, str(conf), "--sentinel"], stdin=subprocess.DEVNULL,
+                        [*_death_signal(), binary, str(conf), "--sentinel"],
+                        stdin=subprocess.DEVNULL,
                         stdout=out, stderr=subprocess.STDOUT,
                     ))  # fmt: skip
                 self.sentinel_ports.append(port)

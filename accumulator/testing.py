@@ -191,6 +191,18 @@ def _masked(cmd: Sequence[str]) -> list[str]:
     return out
 
 
+def _death_signal() -> list[str]:
+    """The command prefix that has a server started now stopped (SIGTERM) when this process
+    dies, even without running its exit hooks (killed by SIGTERM or SIGKILL, ``os._exit``):
+    util-linux's ``setpriv --pdeathsig`` on Linux, else nothing. The kernel sends the signal
+    when the *thread* that started the child ends, so only servers started from the main
+    thread get it (a server started from a worker thread outlives that thread, as before)."""
+    if threading.current_thread() is not threading.main_thread():
+        return []
+    setpriv = shutil.which("setpriv")
+    return [setpriv, "--pdeathsig", "TERM"] if setpriv else []
+
+
 def _server_env() -> dict[str, str]:
     """The environment of a redis-server started here: ours, with jemalloc's settings
     (:data:`SERVER_MALLOC_CONF`) where it has none."""
@@ -473,6 +485,7 @@ class RedisServer:
         else:
             persistence = ["--appendonly", "no"]
         cmd = [
+            *_death_signal(),
             binary,
             "--port", str(port),
             "--bind", _HOST,

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import os
+import shutil
+import signal
 import socket
 import stat
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -301,6 +304,50 @@ def test_atexit_stops_forgotten_server(binary: str, tmp_path: Path) -> None:
     assert not _pid_alive(pid)
     assert not _port_answers(port)
     assert not workdir.exists()
+
+
+@pytest.mark.real
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs util-linux's setpriv")
+def test_server_stops_when_its_process_is_killed(binary: str) -> None:
+    # SIGTERM at its default action: the interpreter dies without running its exit hooks
+    # (a CI job's timeout, `kill <pytest pid>`); the server must not outlive it.
+    code = textwrap.dedent(
+        f"""
+        import os, signal
+        from accumulator.testing import RedisServer
+        srv = RedisServer({binary!r}).start()
+        print(srv.pid, srv.port, srv.workdir, flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+    assert proc.returncode == -signal.SIGTERM
+    out = proc.stdout.split()
+    pid, port, workdir = int(out[0]), int(out[1]), out[2]
+    try:
+        deadline = time.monotonic() + 5
+        while _pid_alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _pid_alive(pid)
+        assert not _port_answers(port)
+    finally:
+        if _pid_alive(pid):
+            os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(workdir, ignore_errors=True)  # nobody ran stop(): its directory stays
+
+
+def test_only_the_main_thread_starts_servers_with_a_death_signal() -> None:
+    # the kernel signals when the starting *thread* ends: a worker thread's server would die
+    # with that thread
+    got: list[list[str]] = []
+    worker = threading.Thread(target=lambda: got.append(testing._death_signal()))
+    worker.start()
+    worker.join()
+    assert got == [[]]
+    main = testing._death_signal()
+    assert main == ([] if shutil.which("setpriv") is None
+                    else [shutil.which("setpriv"), "--pdeathsig", "TERM"])  # fmt: skip
 
 
 @pytest.mark.real
