@@ -89,6 +89,31 @@ class _Reader:
             raise _error(line[1:].decode(errors="replace"))
         raise _Unsupported(f"reply of type {kind!r}")
 
+    def _bytes(self, n: int) -> bytes:
+        while len(self.buf) < n:
+            self._fill()
+        value = bytes(self.buf[:n])
+        del self.buf[:n]
+        return value
+
+    def bulks(self) -> list[bytes | None]:
+        """The next reply, an array of bulk strings or nulls (HMGET's), as a list."""
+        line = self._line()
+        if line[:1] == b"-":
+            raise _error(line[1:].decode(errors="replace"))
+        if line[:1] != b"*" or int(line[1:]) < 0:
+            raise _Unsupported(f"reply {line[:20]!r} is not an array")
+        out: list[bytes | None] = []
+        for _ in range(int(line[1:])):
+            item = self._line()
+            if item == b"_" or item == b"$-1":
+                out.append(None)
+            elif item[:1] == b"$" and int(item[1:]) >= 0:
+                out.append(self._bytes(int(item[1:]) + 2)[:-2])
+            else:
+                raise _Unsupported(f"array item {item[:20]!r} is not a bulk string")
+        return out
+
 
 def _error(text: str) -> redis.RedisError:
     """An error reply as redis-py's own parser raises it (``LOADING`` a transient
@@ -110,13 +135,30 @@ def get_into(
     if is_cluster(client):
         return _cluster_get_into(client, keys, outs)
     sent = _send_gets(client, keys)
-    return None if sent is None else _receive(*sent, outs)
+    got = None if sent is None else _receive(*sent, outs)
+    return None if got is None else got[1]
 
 
-def _send_gets(client: Any, keys: Sequence[str | bytes]) -> tuple[Any, Any] | None:
-    """Send one pipeline of GETs on a pooled connection of ``client``: (pool, connection) to
-    read the replies from (:func:`_receive`), or None when this client cannot be read in
-    place."""
+def hmget_get_into(
+    client: Any, name: str | bytes, fields: Sequence[str], keys: Sequence[str | bytes],
+    outs: Sequence[memoryview],
+) -> tuple[list[bytes | None], list[bool]] | None:  # fmt: skip
+    """``HMGET name fields`` and, in the same pipeline, GET every key into its buffer (as
+    :func:`get_into`): (the hash's values, per key whether it was there at that length).
+    None: this client cannot be read this way (a cluster client, fakeredis...)."""
+    if is_cluster(client):
+        return None
+    sent = _send_gets(client, keys, ("HMGET", name, *fields))
+    got = None if sent is None else _receive(*sent, outs, lead=True)
+    return None if got is None or got[0] is None else (got[0], got[1])
+
+
+def _send_gets(
+    client: Any, keys: Sequence[str | bytes], lead: Sequence[Any] | None = None
+) -> tuple[Any, Any] | None:
+    """Send one pipeline of GETs (behind ``lead``, a command whose reply is an array of bulk
+    strings, when given) on a pooled connection of ``client``: (pool, connection) to read the
+    replies from (:func:`_receive`), or None when this client cannot be read in place."""
     pool = getattr(client, "connection_pool", None)
     if pool is None or not keys:
         return None
@@ -124,8 +166,9 @@ def _send_gets(client: Any, keys: Sequence[str | bytes]) -> tuple[Any, Any] | No
     if not isinstance(conn, redis.connection.AbstractConnection):
         pool.release(conn)
         return None
+    commands = [("GET", key) for key in keys]
     try:
-        conn.send_packed_command(conn.pack_commands([("GET", key) for key in keys]))
+        conn.send_packed_command(conn.pack_commands([lead, *commands] if lead else commands))
     except BaseException:
         conn.disconnect()
         pool.release(conn)
@@ -133,18 +176,23 @@ def _send_gets(client: Any, keys: Sequence[str | bytes]) -> tuple[Any, Any] | No
     return pool, conn
 
 
-def _receive(pool: Any, conn: Any, outs: Sequence[memoryview]) -> list[bool] | None:
-    """The replies of :func:`_send_gets` into ``outs``; the connection goes back to its pool
-    (disconnected unless every reply was consumed cleanly)."""
+def _receive(
+    pool: Any, conn: Any, outs: Sequence[memoryview], lead: bool = False
+) -> tuple[list[bytes | None] | None, list[bool]] | None:
+    """The replies of :func:`_send_gets`: (``lead``: the lead command's reply, else None;
+    per buffer of ``outs`` whether its GET reply was received into it), or None when a reply
+    is not one this reader parses. The connection goes back to its pool (disconnected unless
+    every reply was consumed cleanly)."""
     clean = False
     try:
         sock = getattr(conn, "_sock", None)
         if not isinstance(sock, socket.socket):
             return None  # sent but not readable here: drop the connection
         reader = _Reader(sock)
+        head = reader.bulks() if lead else None
         found = [reader.bulk_into(out) for out in outs]
         clean = not reader.buf  # nothing beyond the replies (else: out of step)
-        return found
+        return head, found
     except _Unsupported:
         return None
     except OSError as exc:  # socket.timeout included
@@ -196,7 +244,7 @@ def _cluster_get_into(
         if got is None:
             unsupported = True
             continue
-        for i, ok in zip(indices, got, strict=True):
+        for i, ok in zip(indices, got[1], strict=True):
             found[i] = ok
     if failed is not None:
         raise failed

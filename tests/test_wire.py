@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import redis
 
-from accumulator._wire import get_into
+from accumulator._wire import get_into, hmget_get_into
 
 
 def _bufs(*sizes: int) -> list[memoryview]:
@@ -69,3 +69,63 @@ def test_error_replies_are_raised_as_redis_py_raises_them():
         with pytest.raises(redis.ResponseError, match="other") as other:
             reader.bulk_into(memoryview(bytearray(3)))
         assert not _retry.is_transient(other.value)
+
+
+def test_a_hash_read_leads_the_gets_in_one_pipeline(real):
+    r = real.redis()
+    r.hset("h", mapping={"run": b"r1", "step": b"7", "empty": b""})
+    r.set("p0", b"x" * 70_000)
+    r.set("p1", b"yz")
+    outs = _bufs(70_000, 2, 5)
+    got = hmget_get_into(r, "h", ["run", "nope", "step", "empty"], ["p0", "p1", "gone"], outs)
+    if real.kind == "cluster":  # the caller reads through redis-py's cluster client
+        assert got is None
+        return
+    assert got == ([b"r1", None, b"7", b""], [True, True, False])
+    assert bytes(outs[0]) == b"x" * 70_000 and bytes(outs[1]) == b"yz"
+    assert hmget_get_into(r, "no-hash", ["a"], ["p1"], _bufs(2)) == ([None], [True])
+    assert r.get("p1") == b"yz"  # the pooled connection is in step afterwards
+
+
+def test_a_hash_read_on_resp3_reads_its_nulls(real):
+    if real.kind == "cluster":
+        pytest.skip("a cluster client is read through redis-py")
+    r = real.redis()
+    r.hset("h", "a", b"1")
+    r.set("p", b"abc")
+    r3 = redis.Redis(connection_pool=redis.ConnectionPool(
+        **{**r.connection_pool.connection_kwargs, "protocol": 3}))  # fmt: skip
+    try:
+        assert hmget_get_into(r3, "h", ["a", "b"], ["p"], _bufs(3)) == ([b"1", None], [True])
+    finally:
+        r3.close()
+
+
+def test_a_hash_read_of_a_wrong_type_raises_and_drops_the_connection(real):
+    if real.kind == "cluster":
+        pytest.skip("a cluster client is read through redis-py")
+    r = real.redis()
+    r.rpush("list", b"x")
+    r.set("p", b"abc")
+    with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+        hmget_get_into(r, "list", ["a"], ["p"], _bufs(3))
+    assert r.get("p") == b"abc" and r.ping()
+
+
+def test_bulk_arrays_are_parsed_in_both_protocols_and_across_reads():
+    import socket
+
+    from accumulator._wire import _Reader, _Unsupported
+
+    big = b"\r\n" * 50_000  # a value holding the delimiter, longer than one recv
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        theirs.sendall(b"*3\r\n$3\r\nabc\r\n$-1\r\n$0\r\n\r\n"  # RESP2
+                       b"*2\r\n_\r\n$100000\r\n" + big + b"\r\n"  # RESP3 null, a large value
+                       b"*-1\r\n:1\r\n*1\r\n:5\r\n")  # fmt: skip
+        reader = _Reader(ours)
+        assert reader.bulks() == [b"abc", None, b""]
+        assert reader.bulks() == [None, big]
+        for _ in range(3):  # a null array, an integer, an array of integers: not ours to read
+            with pytest.raises(_Unsupported):
+                reader.bulks()

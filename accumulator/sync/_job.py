@@ -18,6 +18,7 @@ from .._dense import ConditionalAccumulator
 from .._keys import Keys, SyncKeys
 from .._sparse import SparseConditionalAccumulator
 from .._stream import fill, read_views_into
+from .._wire import hmget_get_into
 from ._published import ParamSpec, Published, decode_published, nbytes_of
 
 
@@ -216,24 +217,29 @@ class _Job:
             early = None
             if guess is not None and guess.nbytes <= _chunks.SOLE_PART_BYTES:
                 early = self._param_buffers(guess.run, guess.step, guess.specs)
-            head = [] if early is None else early[0]
+            head, views = ([], []) if early is None else early[:2]
 
-            def look(head: list[str] = head) -> list[Any]:
+            def look(head: list[str] = head, views: list[memoryview] = views) -> Any:
+                """The hash's values, and whether every early part came whole into its
+                buffer (received in place where the client allows it, else copied)."""
+                if head:
+                    got = hmget_get_into(self.redis, self.keys.params, fields, head, views)
+                    if got is not None:
+                        return got[0], all(got[1])
                 pipe = self.redis.pipeline(transaction=False)
                 pipe.hmget(self.keys.params, fields)
                 for key in head:
                     pipe.get(key)
-                return pipe.execute()
+                replies = pipe.execute()
+                return replies[0], all(map(fill, views, replies[1:]))
 
-            replies = self._io("reading the published step", look)
-            raw = {f.encode(): v for f, v in zip(fields, replies[0], strict=True) if v is not None}
+            values, whole = self._io("reading the published step", look)
+            raw = {f.encode(): v for f, v in zip(fields, values, strict=True) if v is not None}
             published = decode_published(self.job, raw)
             if published is None or not with_params or (wanted and not wanted(published)):
                 return published
             params = None
-            if early is not None and guess == Version.of(published) and all(
-                fill(view, value) for view, value in zip(early[1], replies[1:], strict=True)
-            ):
+            if early is not None and whole and guess == Version.of(published):
                 params = _native(published.specs, early[2])
             if params is None:
                 params = self._read_params(published)
