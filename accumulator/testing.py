@@ -219,7 +219,9 @@ class RedisServer:
     it. ``args`` are extra server arguments appended last, e.g. ``["--maxmemory", "10mb"]``
     (do not pass ``--port``/``--bind``: use the ``port`` parameter). Use as a context
     manager, or call ``start()``/``stop()``. Servers still running when the interpreter
-    exits are stopped by an atexit hook.
+    exits are stopped by an atexit hook; on Linux (util-linux's ``setpriv``), a server
+    started from the main thread is also stopped when its process dies without running
+    exit hooks (killed by a signal, ``os._exit``).
 
     ``persistent=False`` (the default): no RDB, no AOF, and every start gets a fresh data
     directory, so ``restart()`` and ``kill()`` + ``start()`` come back empty.
