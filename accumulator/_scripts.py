@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable, Generator, Sequence
 from functools import cache
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import redis
 from redis.exceptions import NoPermissionError, NoScriptError, OutOfMemoryError, ResponseError
@@ -110,7 +110,7 @@ def steps(name: str, keys: Sequence[str | bytes], args: Sequence[Any]) -> Genera
                 return (yield ["EVAL", source(name), len(keys), *keys, *args])
             return (yield evalsha_args(name, keys, args))
     except ResponseError as exc:
-        raise translate(exc) from exc
+        raise_translated(exc)
 
 
 def call(client: redis.Redis, name: str, keys: Sequence[str | bytes], args: Sequence[Any]) -> Any:
@@ -177,6 +177,15 @@ def check_loaded(replies: Sequence[Any]) -> None:
 def is_no_permission(reply: Any) -> bool:
     """Whether a reply is the server's refusal of a command to this user (ACL)."""
     return isinstance(reply, NoPermissionError)
+
+
+def raise_translated(exc: Exception) -> NoReturn:
+    """Raise :func:`translate`'s error for ``exc``, chained to it; ``exc`` itself (as it is)
+    when it is not one of ours."""
+    error = translate(exc)
+    if error is exc:
+        raise exc
+    raise error from exc
 
 
 def translate(exc: Exception) -> Exception:

@@ -190,7 +190,7 @@ class ParameterServer(_Job):
             if step:
                 for acc in self._accs.values():
                     acc.set_global_step(step)
-            self._params, self._step, self._run = arrays, int(step), uuid.uuid4().hex
+            self._params, self._step, self._run = arrays, step, uuid.uuid4().hex
             self._taken, self._done, self._unpublished = {}, False, None
             self._publish(meta=True)
         except BaseException:
@@ -362,13 +362,8 @@ class ParameterServer(_Job):
             pipe.execute_command(*script)
             try:
                 return list(pipe.execute()[-1])
-            except NoScriptError:
-                raise
-            except ResponseError as exc:
-                error = _scripts.translate(exc)
-                if error is exc:
-                    raise
-                raise error from exc
+            except ResponseError as exc:  # NOSCRIPT comes through as it is
+                _scripts.raise_translated(exc)
 
         def publish() -> list[Any]:
             # The new version's parts first (one chunk per command), then the switch: readers
@@ -383,10 +378,7 @@ class ParameterServer(_Job):
                 try:
                     pipe.execute()
                 except ResponseError as exc:  # maxmemory, ACL: ours, as every other refusal
-                    error = _scripts.translate(exc)
-                    if error is exc:
-                        raise
-                    raise error from exc
+                    _scripts.raise_translated(exc)
             try:
                 reply = switch(_scripts.evalsha_args("sync_lease", lease_keys, lease_args))
             except NoScriptError:  # not loaded (a restarted server): the source itself
