@@ -135,13 +135,16 @@ def evict(
     claimed round gives it back as ``leave`` would (or, if the accumulator moved on, hands it
     to the next take); ``drop=True`` deletes that round's gradients instead. Returns
     ``"left"``, ``"given back"``, ``"handed over"`` or ``"dropped"``; raises
-    :class:`NotFoundError` when there is no such taker. Evicting a live taker makes its take
-    raise (it finds its claim or its place gone) rather than return anything twice.
+    :class:`NotFoundError` when there is no such taker (or accumulator). Evicting a live
+    taker makes its take raise (it finds its claim or its place gone) rather than return
+    anything twice.
     """
     keys = Keys(container, shared_name, prefix)
     claim = keys.claim(taker_id)
     if not re.fullmatch(r"[0-9]+-[0-9a-f]+", taker_id):
         raise InvalidArgumentError(f"not a taker id: {taker_id!r} (e.g. 12345-0a1b2c3d4e5f)")
+    if not r.exists(keys.state):
+        raise _not_found(shared_name, container)
     waiting = r.zscore(keys.takers, taker_id) is not None
     if drop:
         with r.pipeline(transaction=True) as pipe:

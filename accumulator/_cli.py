@@ -55,7 +55,7 @@ from collections.abc import Sequence
 from typing import TextIO
 
 import redis
-from redis.exceptions import AuthenticationError
+from redis.exceptions import AuthenticationError, RedisClusterException
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -238,7 +238,7 @@ def _fail(ctx: Context, error: CliError) -> int:
 
 
 #: The commands that name one accumulator (a name not found gets a container hint).
-_ONE_ACCUMULATOR = ("show", "watch", "set-step", "reset", "delete")
+_ONE_ACCUMULATOR = ("show", "watch", "set-step", "reset", "delete", "evict")
 
 
 def _container_hint(ctx: Context, name: str) -> str:
@@ -272,7 +272,7 @@ def _translate(ctx: Context, exc: BaseException) -> CliError:
                 "redis://:PASSWORD@...)"
             )
         return CliError(EXIT_CONNECT, f"cannot connect to {where}: {reason}", "auth")
-    if isinstance(exc, (RedisConnectionError, RedisTimeoutError)):
+    if isinstance(exc, (RedisConnectionError, RedisTimeoutError, RedisClusterException)):
         reason = str(exc).strip() or type(exc).__name__
         return CliError(EXIT_CONNECT, f"cannot connect to {where}: {reason}", "connect")
     if isinstance(exc, NotFoundError):

@@ -20,7 +20,7 @@ from redis.cluster import RedisCluster
 from redis.connection import SSLConnection, UnixDomainSocketConnection, parse_url
 from redis.retry import Retry
 
-from ._connection import cluster_url, scheme_problem, sentinel_client
+from ._connection import cluster_url, new_cluster, scheme_problem, sentinel_client
 from ._redact import redact_url, url_secrets
 
 EXIT_OK = 0
@@ -197,8 +197,11 @@ class Context:
                 extra["ssl_ca_certs"] = self.tls_ca_cert
             if self.tls and plain.startswith("redis://"):
                 plain = "rediss://" + plain[len("redis://") :]
-            cluster = RedisCluster.from_url(plain, socket_connect_timeout=CONNECT_TIMEOUT,
-                                            socket_timeout=COMMAND_TIMEOUT, **extra)  # fmt: skip
+            url = plain
+            cluster = new_cluster(lambda: RedisCluster.from_url(
+                url, socket_connect_timeout=CONNECT_TIMEOUT, socket_timeout=COMMAND_TIMEOUT,
+                **extra,
+            ))  # fmt: skip
             cluster.ping()
             # the admin functions use only what both clients serve (keys route by slot)
             self._client = cast(redis.Redis, cluster)

@@ -293,7 +293,8 @@ def render_job(info: _admin.JobInfo) -> list[str]:
     head = [("published step", state)]
     if info.replicas is not None:
         head.append(
-            ("aggregation", f"{info.replicas} gradients per parameter per step, {info.reduction}")
+            ("aggregation", f"{plural(info.replicas, 'gradient')} per parameter per step, "
+                            f"{info.reduction}")
         )
     head.append(("chief", _lease_text(info.chief, now)))
     accepted = info.pushes - info.partial - info.stale

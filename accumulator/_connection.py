@@ -7,7 +7,7 @@ import hashlib
 import inspect
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias, cast
 
@@ -16,12 +16,15 @@ from redis.backoff import ExponentialWithJitterBackoff
 from redis.cluster import RedisCluster
 from redis.connection import AbstractConnection, PythonRespSerializer
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisClusterException
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 from redis.sentinel import SentinelConnectionPool
 
+from . import _retry as retrying
 from ._errors import InvalidArgumentError
 from ._redact import redact_url
+from ._retry import RETRY_WINDOW
 
 DEFAULT_URL = "redis://localhost:6379/0"
 
@@ -292,7 +295,7 @@ def _url_client(url: str) -> redis.Redis:
     return redis.Redis.from_url(url, retry=_retry(), **url_options(url))
 
 
-def connect(client: Client) -> Connections:
+def connect(client: Client, retry_window: float = RETRY_WINDOW) -> Connections:
     """The clients for a URL, for an existing ``redis.Redis`` or ``valkey.Valkey`` (its
     settings are kept: server, credentials, TLS, pool class and ``max_connections``), or for
     the default URL. Replies are always bytes; the command packer is ours.
@@ -319,7 +322,10 @@ def connect(client: Client) -> Connections:
         if entry is not None and entry.origin is origin:
             entry.users += 1
             return Connections(entry.commands, entry.blocking, key)
-    commands, blocking = _new(client)  # connects nothing yet: pools connect on first use
+    # connects nothing yet (pools connect on first use), except a cluster client, which
+    # learns its nodes now: that is retried as every command is
+    commands, blocking = retrying.call(lambda: _new(client), "connecting to Redis",
+                                     window=retry_window)  # fmt: skip
     with _LOCK:
         entry = _SHARED.get(key)
         if entry is None or entry.origin is not origin:
@@ -450,20 +456,36 @@ def cluster_url(url: str) -> str | None:
     return None
 
 
+def new_cluster(make: Callable[[], RedisCluster]) -> RedisCluster:
+    """``make()``, a cluster client's constructor (which connects, to learn the nodes), its
+    failure said our way (:func:`~accumulator._retry.cluster_error`: no node reachable is a
+    ``redis.ConnectionError``, retried as any other)."""
+    try:
+        return make()
+    except RedisClusterException as exc:
+        ours = retrying.cluster_error(exc)
+        if ours is exc:
+            raise
+        raise ours from exc
+
+
 def _cluster(client: RedisCluster | str, socket_timeout: float) -> Any:
     """A cluster client like the one given (its nodes, credentials and TLS; a URL's), that
     replies bytes, with our timeouts and retries."""
     settings: dict[str, Any] = dict(decode_responses=False, socket_timeout=socket_timeout,
                                     socket_connect_timeout=CONNECT_TIMEOUT)  # fmt: skip
     if isinstance(client, str):
-        return _zero_copy_nodes(RedisCluster.from_url(client, **settings))
+        url = client
+        return _zero_copy_nodes(new_cluster(lambda: RedisCluster.from_url(url, **settings)))
     from redis.cluster import ClusterNode
 
     kwargs: dict[str, Any] = {k: v for k, v in client.nodes_manager.connection_kwargs.items()
               if k in ("username", "password", "ssl", "ssl_ca_certs", "ssl_certfile",
                        "ssl_keyfile", "ssl_cert_reqs", "client_name", "protocol")}  # fmt: skip
     nodes = [ClusterNode(n.host, n.port) for n in client.get_nodes()]
-    return _zero_copy_nodes(RedisCluster(startup_nodes=nodes, **kwargs, **settings))
+    return _zero_copy_nodes(
+        new_cluster(lambda: RedisCluster(startup_nodes=nodes, **kwargs, **settings))
+    )
 
 
 def _zero_copy_nodes(client: RedisCluster) -> RedisCluster:
@@ -547,8 +569,12 @@ def _new(client: Any) -> tuple[redis.Redis, redis.Redis]:
     plain = cluster_url(client) if isinstance(client, str) else None
     if plain is not None or isinstance(client, RedisCluster):
         source = plain if plain is not None else client
-        return (_cluster(source, SOCKET_TIMEOUT),
-                _cluster(source, WAIT_SLICE + max(5.0, SOCKET_TIMEOUT)))  # fmt: skip
+        commands = _cluster(source, SOCKET_TIMEOUT)
+        try:
+            return commands, _cluster(source, WAIT_SLICE + max(5.0, SOCKET_TIMEOUT))
+        except BaseException:
+            commands.close()
+            raise
     managed = sentinel_client(client) if isinstance(client, str) else None
     if managed is not None:
         base, owned = managed, True

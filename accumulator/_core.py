@@ -95,7 +95,7 @@ class AccumulatorBase(AccumulatorModel):
         self._setup(dtype, shape, shared_name, name, reduction_type, container,
                     max_pending_bytes, sum_in_redis, min_replicas, wait_aof,
                     spread_parts, retry_window)  # fmt: skip
-        self._conns = connect(client)
+        self._conns = connect(client, self.retry_window)
         self._cluster = is_cluster(self._conns.commands)
         # connections of waits in progress: close() from another thread breaks them (the
         # pools are shared with other accumulators and stay open)

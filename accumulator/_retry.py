@@ -26,6 +26,7 @@ from redis.exceptions import (
     AuthenticationError,
     AuthorizationError,
     ClusterDownError,
+    RedisClusterException,
     SlotNotCoveredError,
     TryAgainError,
 )
@@ -50,6 +51,30 @@ WARN_AFTER = 2.0
 TRANSIENT = (redis.ConnectionError, redis.TimeoutError, ClusterDownError, TryAgainError,
              SlotNotCoveredError)  # fmt: skip
 _PERMANENT = (AuthenticationError, AuthorizationError)
+#: What the retry loops catch: the transient faults, and redis-py's RedisClusterException
+#: (neither a RedisError nor a ConnectionError), which :func:`cluster_error` sorts out.
+_CAUGHT = (*TRANSIENT, RedisClusterException)
+
+
+def cluster_error(exc: RedisClusterException) -> Exception:
+    """Ours for redis-py's ``RedisClusterException``, raised when a cluster client cannot
+    learn its nodes: none reachable (or the slots not all served yet) is a
+    ``redis.ConnectionError``, transient; a server that is no cluster node (a
+    ``redis+cluster://`` URL of a plain server) an :class:`InvalidArgumentError`; anything
+    else stays as it is. The original is the new one's ``__cause__``."""
+    text = str(exc)
+    ours: Exception
+    if "Cluster mode is not enabled" in text:  # (also found behind "cannot be connected")
+        ours = InvalidArgumentError(
+            "a redis+cluster:// URL (or cluster client) names a server that is no cluster "
+            "node (cluster mode is not enabled): use a redis:// URL for it"
+        )
+    elif "cannot be connected" in text or "not covered" in text:
+        ours = redis.ConnectionError(f"Redis Cluster unreachable: {text}")
+    else:
+        return exc
+    ours.__cause__ = exc
+    return ours
 
 
 def checked_window(seconds: object) -> float:
@@ -119,7 +144,7 @@ def call(
     while True:
         try:
             return fn()
-        except TRANSIENT as exc:
+        except _CAUGHT as exc:
             time.sleep(_next_wait(backoff, exc, what, give_up))
 
 
@@ -135,7 +160,7 @@ async def acall(
     while True:
         try:
             return await fn()
-        except TRANSIENT as exc:
+        except _CAUGHT as exc:
             await asyncio.sleep(_next_wait(backoff, exc, what, give_up))
 
 
@@ -144,6 +169,8 @@ def _next_wait(
 ) -> float:
     """Seconds to pause before retrying after ``exc``; raises it (or UnavailableError once the
     window is over, or ``give_up()``) when it is not to be retried."""
+    if isinstance(exc, RedisClusterException):
+        exc = cluster_error(exc)
     if not is_transient(exc):
         raise exc
     now = time.monotonic()

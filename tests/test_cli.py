@@ -699,7 +699,8 @@ def test_show_quarantine_and_pending_limit(real: Target, make: Callable[..., Any
 
 def test_a_name_in_another_container_is_hinted(real: Target, make: Callable[..., Any]) -> None:
     make("x", container="job7")
-    for args in (["show", "x"], ["watch", "x", "-n", "1"], ["reset", "x", "--yes"]):
+    for args in (["show", "x"], ["watch", "x", "-n", "1"], ["reset", "x", "--yes"],
+                 ["evict", "x", "12345-0a1b2c3d4e5f", "--yes"]):  # fmt: skip
         err = failed(cli(*args, "--url", real.url), 1)
         assert "no accumulator named 'x'" in err
         assert "it exists in container 'job7' (pass --container 'job7')" in err
@@ -852,3 +853,11 @@ def test_show_says_an_accumulator_is_sealed(real):
     assert re.search(r"sealed\s+its sync job finished at step 3: applies that are not stale", text)
     assert json.loads(ok(cli("show", name, "--json", "--url", real.url)))["sealed"] == 3
     ps.close()
+
+
+def test_cluster_urls_that_cannot_serve_exit_with_a_message(real: Target) -> None:
+    err = failed(cli("ls", "--url", f"redis+cluster://127.0.0.1:{_free_port()}/0"), 3)
+    assert "cannot connect" in err and "Redis Cluster unreachable" in err
+    if real.kind != "cluster":  # a server that is no cluster node
+        err = failed(cli("ls", "--url", "redis+cluster://" + real.url.split("://", 1)[1]), 2)
+        assert "no cluster node" in err

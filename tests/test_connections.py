@@ -4,6 +4,7 @@ kept, valkey-py clients."""
 
 from __future__ import annotations
 
+import asyncio
 import re
 import threading
 import time
@@ -16,6 +17,7 @@ from _helpers import Taker
 
 import accumulator
 from accumulator import _connection
+from accumulator.sync import Worker
 from accumulator.testing import RedisServer, find_server_binary
 
 pytestmark = pytest.mark.real
@@ -236,3 +238,40 @@ def test_retry_window_is_a_constructor_argument_and_a_long_outage_warns(caplog) 
     assert len(warnings) == 1
     found = re.search(r"unreachable for (\d+)s", warnings[0].getMessage())
     assert found and 2 <= int(found.group(1)) < 5, warnings[0].getMessage()
+
+
+def test_an_unreachable_cluster_url_is_retried_then_unavailable() -> None:
+    """redis-py's cluster client connects when made (to learn the nodes) and raises its own
+    ``RedisClusterException``: opening rides it out as any unreachable server, then raises
+    UnavailableError (a ConnectionError)."""
+    url = f"redis+cluster://127.0.0.1:{_closed_port()}/0"
+    for open_ in (
+        lambda: accumulator.ConditionalAccumulator(np.float32, (2,), shared_name="c",
+                                                   client=url, retry_window=0.5),
+        lambda: Worker("job", client=url, retry_window=0.5),
+        lambda: asyncio.run(_aio_open(url)),  # redis-py's asyncio cluster connects later
+    ):  # fmt: skip
+        started = time.monotonic()
+        with pytest.raises(accumulator.UnavailableError, match="Redis Cluster unreachable") as info:
+            open_()
+        assert isinstance(info.value, ConnectionError)
+        assert time.monotonic() - started >= 0.4  # retried, not given up at once
+
+
+async def _aio_open(url: str) -> None:
+    from accumulator import aio
+
+    async with aio.ConditionalAccumulator(np.float32, (2,), shared_name="c", client=url,
+                                          retry_window=0.5):  # fmt: skip
+        pass
+
+
+def test_a_cluster_url_of_a_plain_server_is_a_clear_error(real) -> None:
+    if real.kind == "cluster":
+        pytest.skip("needs a server that is no cluster node")
+    url = "redis+cluster://" + real.url.split("://", 1)[1]
+    with pytest.raises(accumulator.InvalidArgumentError, match="no cluster node"):
+        accumulator.ConditionalAccumulator(np.float32, (2,), shared_name="c", client=url,
+                                           retry_window=5)  # fmt: skip
+    with pytest.raises(accumulator.InvalidArgumentError, match="no cluster node"):
+        asyncio.run(_aio_open(url))

@@ -148,7 +148,7 @@ class _Job:
         #: failover) before raising :class:`~accumulator.UnavailableError`; also given to the
         #: accumulators.
         self.retry_window = window
-        self._conns = connect(client)  # a share of the pools of this client or URL
+        self._conns = connect(client, window)  # a share of the pools of this client or URL
         self._redis: redis.Redis = self._conns.commands  # what the accumulators derive from
         self._blocking: redis.Redis = self._conns.blocking  # pub/sub waits only
         self._specs: list[ParamSpec] = []
