@@ -240,6 +240,13 @@ def translate(exc: Exception) -> Exception:
             "the global step is at the int64 maximum: a take cannot advance it (set_global_step "
             "lower first)"
         )
+    if what == "BADTYPE":
+        key, want = (words[1:3] + ["?", "?"])[:2]
+        return AccumulatorError(
+            f"the accumulator's key {key!r} holds a value of another type than the {want} it "
+            "keeps there (a foreign write in its namespace); nothing was changed. Delete that "
+            "key, or the accumulator (`accumulator delete`)"
+        )
     if what in ("BADARG", "BADKEY"):
         return InvalidArgumentError(f"the accumulator script refused its input ({text[idx:]})")
     return AccumulatorError(text[idx:])

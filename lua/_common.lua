@@ -265,6 +265,28 @@ local function entry_length(entry, keys)
   return total
 end
 
+-- Type checks before the first write: a key of ours holding a value of another type (a
+-- foreign write in the accumulator's namespace) would fail a script half-way. checks = {key,
+-- type, key, type, ...}; a missing key is fine. Each key is probed with a read of its type
+-- that moves nothing (not TYPE: the roles in the README's Security section, and deployments
+-- made from them, do not grant it). nil, or the BADTYPE error reply.
+local TYPE_PROBES = {list = {'LRANGE', 1, 0}, zset = {'ZCARD'}, hash = {'HGET', ''},
+  string = {'STRLEN'}}
+local function check_types(checks)
+  for i = 1, #checks, 2 do
+    local key, probe = checks[i], TYPE_PROBES[checks[i + 1]]
+    local r = redis.pcall(probe[1], key, unpack(probe, 2))
+    if type(r) == 'table' and r.err then
+      local text = tostring(r.err)  -- (a string; fakeredis's Lua gives a userdata)
+      if string.find(text, 'WRONGTYPE', 1, true) then
+        return acc_error('BADTYPE ' .. key .. ' ' .. checks[i + 1])
+      end
+      return redis.error_reply(text)  -- (a NOPERM, as the call itself would have raised)
+    end
+  end
+  return nil
+end
+
 -- Permission checks before the first write: a script that fails half-way leaves its earlier
 -- writes in place (Redis scripts do not roll back). checks = {{command, key or channel}, ...}.
 -- Servers without redis.acl_check_cmd (before 7.0, fakeredis) have no ACL selectors to fear.

@@ -62,6 +62,13 @@ err = check_acl({{'GET', dedup}, {'SET', dedup}, {'UNLINK', blob}, {'HSET', stat
   {'ZRANGE', KEYS[4]}, {'HGET', KEYS[5]}, {'RPUSH', KEYS[6]}, {'LTRIM', KEYS[6]},
   {'ZSCORE', orphans}, {'ZREM', orphans}, {'ZADD', orphans}})
 if err then return err end
+err = check_types({grads, 'list', dedup, 'string', KEYS[4], 'zset', KEYS[5], 'hash',
+  KEYS[6], 'list', orphans, 'zset'})
+if err then
+  -- its own payload key goes; spread parts stay registered, for a sweeper once that runs out
+  if #payload_keys > 0 then unlink_all(payload_keys) end
+  return err
+end
 local step, count = st.step, tonumber(st.count)
 
 -- A retry of an apply this client already made (the reply was lost) is answered again, not

@@ -29,6 +29,8 @@ local err = check_acl({{'HDEL', KEYS[3]}, {'ZADD', done}, {'ZREMRANGEBYSCORE', d
   {'PEXPIRE', done}, {'UNLINK', claim}, {'UNLINK', base .. ':b:0:0'}, {'LRANGE', claim},
   {'ZADD', KEYS[5]}})
 if err then return err end
+err = check_types({KEYS[3], 'hash', done, 'zset', claim, 'list', KEYS[5], 'zset'})
+if err then return err end
 local mark = redis.call('HGET', KEYS[3], me)
 if not mark then
   -- a retried finish (its first reply was lost), or a lease that ran out and was taken over

@@ -23,6 +23,9 @@ local err = check_acl({{'ZREM', takers}, {'HDEL', KEYS[3]}, {'DEL', KEYS[4]},
   {'PEXPIRE', some_blob}, {'HSET', state}, {'HINCRBY', state}, {'RPUSH', KEYS[4]},
   {'LTRIM', KEYS[4]}, {'HDEL', KEYS[8]}, {'HSET', KEYS[8]}})
 if err then return err end
+err = check_types({takers, 'zset', KEYS[3], 'hash', KEYS[4], 'list', claim, 'list',
+  grads, 'list', KEYS[8], 'hash'})
+if err then return err end
 
 local head = redis.call('ZRANGE', takers, 0, 0)[1]
 redis.call('ZREM', takers, me)

@@ -21,6 +21,8 @@ local err = check_schema(KEYS[1], ARGV[1])
 if err then return err end
 err = check_acl({{'ZADD', orphans}, {'ZREM', orphans}, {'ZRANGEBYSCORE', orphans}})
 if err then return err end
+err = check_types({orphans, 'zset'})
+if err then return err end
 local now = now_ms()
 if entry ~= '' then
   redis.call('ZADD', orphans, 'NX', int_str(now + tonumber(ARGV[3])), entry)

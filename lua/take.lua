@@ -58,6 +58,9 @@ err = check_acl({{'UNLINK', claim}, {'UNLINK', some_blob}, {'HSET', state},
   {'ZSCORE', takers}, {'HGET', info_key}, {'HGET', state}, {'TIME'}, {'ZADD', KEYS[10]},
   {'GET', some_blob}})
 if err then return err end
+err = check_types({grads, 'list', takers, 'zset', info_key, 'hash', claim, 'list',
+  KEYS[6], 'list', KEYS[8], 'list', KEYS[9], 'hash', KEYS[10], 'zset'})
+if err then return err end
 
 -- The payloads of a claim's entries, when each is held in one key and all of them together
 -- are SENT_MAX bytes at most: the taker then reads nothing more (it frees their keys with the

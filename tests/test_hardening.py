@@ -80,6 +80,46 @@ def test_a_forged_entry_never_makes_a_take_read_or_delete_a_foreign_key(target, 
     assert info.quarantined == 3 and info.n_quarantined == 3
 
 
+#: The keys of an accumulator the apply script writes to, and those the take script does.
+_APPLY_KEYS = ("grads", "takers", "taker_info", "wake", "orphans")
+_TAKE_KEYS = (*_APPLY_KEYS, "claims", "quarantine")
+
+
+@pytest.mark.parametrize("where", _TAKE_KEYS)
+@pytest.mark.parametrize("shape", [SMALL, LARGE], ids=["inline", "blob"])
+def test_a_foreign_value_of_another_type_is_refused_before_any_write(target, where, shape):
+    """A string where the accumulator keeps a list, zset or hash (a foreign write in its
+    namespace) would fail a script half-way: an apply counted but raising, so that a retry
+    counts it twice. Every script checks the types first: refused, nothing changed."""
+    r = target.redis()
+    acc = make(target, shape=shape)
+    if where != "grads":  # (a round to take, unless its list is the key replaced)
+        acc.apply_grad(np.ones(shape), local_step=0)
+    key = getattr(acc._keys, where)
+    r.delete(key)
+    r.set(key, b"foreign")
+
+    def state() -> dict[bytes, object]:
+        # the accumulator's own slot (spread parts, in others, are garbage to sweep then)
+        own = snapshot(r, f"{acc._keys.base}:*")
+        if acc.spreads_parts:  # where the apply registered its spread parts, before
+            own.pop(acc._keys.orphans.encode(), None)
+        return own
+
+    before = state()
+    if where in _APPLY_KEYS:
+        with pytest.raises(accumulator.AccumulatorError, match="foreign write") as info:
+            acc.apply_grad(np.ones(shape), local_step=0)
+        assert key in str(info.value) and "holds a value of another type" in str(info.value)
+    with pytest.raises(accumulator.AccumulatorError, match="foreign write"):
+        acc.take_grad(1, timeout=5)
+    assert state() == before
+    if where != "grads":  # the key gone, the round is taken as it was
+        r.delete(key)
+        np.testing.assert_array_equal(acc.take_grad(1, timeout=5), np.ones(shape))
+    acc.close()
+
+
 def test_reset_and_delete_never_touch_a_foreign_key(target):
     r = target.redis()
     r.set("prod:secret", b"s")
