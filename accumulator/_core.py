@@ -40,12 +40,13 @@ from ._requests import (
     Ops,
     Pop,
     Receive,
+    ReceiveAll,
     Request,
     Subscribe,
     Unsubscribe,
     advance,
 )
-from ._wire import get_into
+from ._wire import get_all_into, get_into
 
 logger = logging.getLogger("accumulator")
 
@@ -183,6 +184,9 @@ class AccumulatorBase(AccumulatorModel):
         if isinstance(request, Receive):
             return self._io(request.what,
                             lambda: get_into(commands, request.keys, request.outs))  # fmt: skip
+        if isinstance(request, ReceiveAll):
+            return self._io(request.what,
+                            lambda: get_all_into(commands, request.keys, request.into))  # fmt: skip
         if isinstance(request, Pop):
             # on a cluster, short slices: a wait on a node the slot has left ends soon
             timeout = min(request.seconds(), 0.5) if self._cluster else request.seconds()

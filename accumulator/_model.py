@@ -29,6 +29,7 @@ from ._errors import (
 )
 from ._keys import SCHEMA_VERSION, SPREAD_SCHEMA, Keys
 from ._requests import Batch, Call, Command, Ops
+from ._stream import ReceiveBuffers
 
 logger = logging.getLogger("accumulator")
 
@@ -205,6 +206,7 @@ class AccumulatorModel:
         self._container = container
         self._keys = Keys(self._container, self._shared_name)
         self._identities = Identities()
+        self._receive_buffers = ReceiveBuffers()
         #: the accsum module's dtype when this accumulator keeps its sums in Redis (set by open)
         self._sum_dtype = ""
         self._closed = False

@@ -72,6 +72,18 @@ class Receive:
 
 
 @dataclass(frozen=True)
+class ReceiveAll:
+    """GET ``keys`` straight into ``into`` (a writable byte view), each value right behind
+    the one before, whatever their lengths (no copy). The reply: each value's length, ``-1``
+    for a missing key and ``-2`` for a value that did not fit in what was left; or ``None``
+    when the driver cannot receive in place (the protocol then sends a :class:`Batch`)."""
+
+    what: str
+    keys: Sequence[str | bytes]
+    into: memoryview
+
+
+@dataclass(frozen=True)
 class Pop:
     """Wait up to ``timeout`` seconds on a wake list (BLPOP). ``True``, or ``False`` when the
     wait's connection failed (the protocol re-checks; the driver paused briefly first). The
@@ -131,7 +143,9 @@ class Unsubscribe:
     handle: Any
 
 
-Request: TypeAlias = Call | Command | Batch | Receive | Pop | Subscribe | Listen | Unsubscribe
+Request: TypeAlias = (
+    Call | Command | Batch | Receive | ReceiveAll | Pop | Subscribe | Listen | Unsubscribe
+)
 _R = TypeVar("_R")
 #: A protocol step: a generator of requests that returns an ``_R``.
 Ops: TypeAlias = Generator[Request, Any, _R]

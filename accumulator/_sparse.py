@@ -208,14 +208,19 @@ class SparseOps(AccumulatorModel):
         inner = claim.round_shape or ()
         dtype = wire_dtype(self.dtype)
         row_bytes = _INDEX_DTYPE.itemsize + int(np.prod(inner, dtype=np.int64)) * dtype.itemsize
+        # received into a buffer kept between takes; the merge copies out of it (its result
+        # never shares memory with the payloads)
+        buf = self._receive_buffers.borrow(claim.nbytes)
         grads = []
-        for payload in (yield from claim.reader.payloads()):
+        for payload in (yield from claim.reader.payloads(memoryview(buf))):
             rows = len(payload) // row_bytes
             cut = rows * _INDEX_DTYPE.itemsize
             idx = np.frombuffer(payload, dtype=_INDEX_DTYPE, count=rows)
             vals = np.frombuffer(payload, dtype=dtype, offset=cut).reshape((rows, *inner))
             grads.append((idx, vals))
         indices, values = _reduce.sparse_merge(grads, inner, self.dtype, self.reduction_type)
+        del grads
+        self._receive_buffers.give_back(buf)
         declared = self.shape
         dim0 = declared[0] if declared else None
         shape = np.array([-1 if dim0 is None else dim0, *inner], dtype=np.int64)

@@ -16,7 +16,7 @@ import redis
 
 from . import _chunks
 from ._errors import AccumulatorError
-from ._requests import Batch, Ops, Receive
+from ._requests import Batch, Ops, Receive, ReceiveAll
 from ._wire import get_into
 
 #: A gradient's payload as a claim names it: the bytes (inline) or its part keys in order,
@@ -133,9 +133,13 @@ class ClaimReader:
                 ]
                 consume(start, stop, parts)
 
-    def payloads(self) -> Ops[list[bytes]]:
+    def payloads(self, into: memoryview | None = None) -> Ops[list[Any]]:
         """Every gradient's whole payload, in apply order: the parts of all of them read a
-        window at a time (one round trip for a round of small gradients, not one each)."""
+        window at a time (one round trip for a round of small gradients, not one each).
+
+        ``into``: a writable byte view of at least the round's payload bytes. Where the
+        driver can, the values are received into it back to back, and the payloads read are
+        views of it (valid until it is reused); else they are new ``bytes``."""
         wanted: list[tuple[int, bytes]] = []  # (source, part key) in order
         for i, s in enumerate(self.sources):
             if isinstance(s, bytes):
@@ -143,22 +147,69 @@ class ClaimReader:
             if any(key is None for key in s):  # never on the sparse path it serves
                 raise AccumulatorError(f"claim {self._claim_key} holds a folded gradient")
             wanted += [(i, cast(bytes, key)) for key in s]
-        pieces: list[list[bytes]] = [[] for _ in self.sources]
+        # per source its pieces: bytes, or (start, stop) of into
+        pieces: list[list[bytes | tuple[int, int]]] = [[] for _ in self.sources]
+        pos, direct = 0, into is not None
         # the lengths are the take script's to check: parts of a sparse payload
         for window in _chunks.windows(len(wanted), 1):
             batch = [wanted[j] for j in window]
-            values = yield Batch(WHAT, [("GET", key) for _, key in batch])
-            for (i, key), value in zip(batch, values, strict=True):
-                if value is None:
-                    raise AccumulatorError(
-                        f"gradient payload {key[-60:]!r} of a claimed round is missing "
-                        f"(claim {self._claim_key})"
-                    )
-                pieces[i].append(value)
-        return [
-            s if isinstance(s, bytes) else (got[0] if len(got) == 1 else b"".join(got))
-            for s, got in zip(self.sources, pieces, strict=True)
-        ]
+            keys = [key for _, key in batch]
+            lengths = None
+            if into is not None and direct:
+                lengths = yield ReceiveAll(WHAT, keys, into[pos:])
+            if lengths is None:
+                direct = False  # the driver cannot: the ordinary way from here on
+                values = yield Batch(WHAT, [("GET", key) for key in keys])
+                for (i, key), value in zip(batch, values, strict=True):
+                    if value is None:
+                        raise self._missing(key)
+                    pieces[i].append(value)
+                continue
+            for (i, key), n in zip(batch, lengths, strict=True):
+                if n < 0:  # missing, or longer than the round's bytes: not what was claimed
+                    raise self._missing(key)
+                pieces[i].append((pos, pos + n))
+                pos += n
+        return [s if isinstance(s, bytes) else _joined(got, into)
+                for s, got in zip(self.sources, pieces, strict=True)]  # fmt: skip
+
+
+def _joined(pieces: list[bytes | tuple[int, int]], into: memoryview | None) -> Any:
+    """One payload from its pieces: a view of ``into`` when they lie there one after the
+    other (always, unless the driver stopped receiving in place half-way), else bytes."""
+    if len(pieces) == 1 and isinstance(pieces[0], bytes):
+        return pieces[0]
+    spans = [p for p in pieces if isinstance(p, tuple)]
+    joint = all(a[1] == b[0] for a, b in zip(spans, spans[1:], strict=False))
+    if len(spans) == len(pieces) and into is not None and joint:
+        return into[spans[0][0] : spans[-1][1]]
+    view = cast(memoryview, into)  # pieces are spans only when it was given
+    return b"".join(p if isinstance(p, bytes) else view[p[0] : p[1]] for p in pieces)
+
+
+class ReceiveBuffers:
+    """A receive buffer kept between reads, so that a steady taker does not fault in fresh
+    memory for every round (a first touch costs more than the copy it receives). Concurrent
+    reads (threads, tasks) each get their own: one is kept, up to ``keep`` bytes."""
+
+    def __init__(self, keep: int = 4 << 20) -> None:
+        self._keep = keep
+        self._spare: list[bytearray] = []  # list.pop/append: atomic, no lock needed
+
+    def borrow(self, nbytes: int) -> bytearray:
+        """A buffer of at least ``nbytes`` bytes, this object's alone until given back."""
+        try:
+            buf = self._spare.pop()
+        except IndexError:
+            buf = None
+        if buf is None or len(buf) < nbytes:
+            buf = bytearray(nbytes)
+        return buf
+
+    def give_back(self, buf: bytearray) -> None:
+        """Keep ``buf`` for the next read (nothing may still use it), if small enough."""
+        if len(buf) <= self._keep and not self._spare:
+            self._spare.append(buf)
 
 
 def write_parts(

@@ -16,8 +16,8 @@ all consumed cleanly is disconnected, never given back half-read.
 from __future__ import annotations
 
 import socket
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import redis
 
@@ -25,6 +25,8 @@ from ._connection import by_node, is_cluster, is_redirect
 from ._direct import pooled
 
 _RECV = 65536
+
+_T = TypeVar("_T")
 
 
 class _Unsupported(Exception):
@@ -61,33 +63,55 @@ class _Reader:
             del self.buf[:drop]
             n -= drop
 
-    def bulk_into(self, out: memoryview) -> bool:
-        """The next reply into ``out``: True if it was a bulk string of exactly its length."""
+    def _header(self) -> int | None:
+        """The next reply's bulk length; None for a nil reply (missing key)."""
         line = self._line()
         kind = line[:1]
         if kind == b"$":
             n = int(line[1:])
-            if n < 0:
-                return False
-            if n != out.nbytes:
-                self._skip(n + 2)
-                return False
-            have = min(n, len(self.buf))
-            out[:have] = self.buf[:have]
-            del self.buf[:have]
-            pos = have
-            while pos < n:
-                got = self.sock.recv_into(out[pos:], n - pos)
-                if not got:
-                    raise redis.ConnectionError("connection closed while reading a reply")
-                pos += got
-            self._skip(2)
-            return True
+            return None if n < 0 else n
         if kind == b"_":
-            return False
+            return None
         if kind == b"-":
             raise _error(line[1:].decode(errors="replace"))
         raise _Unsupported(f"reply of type {kind!r}")
+
+    def _payload_into(self, out: memoryview) -> None:
+        """The ``out.nbytes`` bytes of the bulk whose header was read, then its ``\\r\\n``."""
+        n = out.nbytes
+        have = min(n, len(self.buf))
+        out[:have] = self.buf[:have]
+        del self.buf[:have]
+        pos = have
+        while pos < n:
+            got = self.sock.recv_into(out[pos:], n - pos)
+            if not got:
+                raise redis.ConnectionError("connection closed while reading a reply")
+            pos += got
+        self._skip(2)
+
+    def bulk_into(self, out: memoryview) -> bool:
+        """The next reply into ``out``: True if it was a bulk string of exactly its length."""
+        n = self._header()
+        if n is None:
+            return False
+        if n != out.nbytes:
+            self._skip(n + 2)
+            return False
+        self._payload_into(out)
+        return True
+
+    def bulk_at(self, into: memoryview, pos: int) -> int:
+        """The next reply into ``into`` from ``pos`` on: its length, -1 for a nil reply, -2
+        (skipped) when it is longer than what is left."""
+        n = self._header()
+        if n is None:
+            return -1
+        if pos + n > into.nbytes:
+            self._skip(n + 2)
+            return -2
+        self._payload_into(into[pos : pos + n])
+        return n
 
     def _bytes(self, n: int) -> bytes:
         while len(self.buf) < n:
@@ -135,8 +159,35 @@ def get_into(
     if is_cluster(client):
         return _cluster_get_into(client, keys, outs)
     sent = _send_gets(client, keys)
-    got = None if sent is None else _receive(*sent, outs)
+    got = None if sent is None else _receive(*sent, _gets_into(outs))
     return None if got is None else got[1]
+
+
+def get_all_into(client: Any, keys: Sequence[str | bytes], into: memoryview) -> list[int] | None:
+    """GET every key into ``into``, each value right behind the one before, in one pipeline:
+    per key its length, -1 when it is missing, -2 when it did not fit in what was left (then
+    nothing after it is placed either: -2 for the rest). None: this client cannot be read this
+    way (the caller uses redis-py)."""
+    if is_cluster(client):
+        return None
+    sent = _send_gets(client, keys)
+    if sent is None:
+        return None
+
+    def read(reader: _Reader) -> list[int]:
+        lengths: list[int] = []
+        pos = 0
+        for _ in keys:
+            n = reader.bulk_at(into, pos)
+            if n == -2:
+                pos = into.nbytes  # out of room: whatever follows does not fit either
+            elif n > 0:
+                pos += n
+            lengths.append(n)
+        return lengths
+
+    got = _receive(*sent, read)
+    return None if got is None else got
 
 
 def hmget_get_into(
@@ -149,7 +200,7 @@ def hmget_get_into(
     if is_cluster(client):
         return None
     sent = _send_gets(client, keys, ("HMGET", name, *fields))
-    got = None if sent is None else _receive(*sent, outs, lead=True)
+    got = None if sent is None else _receive(*sent, _gets_into(outs, lead=True))
     return None if got is None or got[0] is None else (got[0], got[1])
 
 
@@ -176,23 +227,19 @@ def _send_gets(
     return pool, conn
 
 
-def _receive(
-    pool: Any, conn: Any, outs: Sequence[memoryview], lead: bool = False
-) -> tuple[list[bytes | None] | None, list[bool]] | None:
-    """The replies of :func:`_send_gets`: (``lead``: the lead command's reply, else None;
-    per buffer of ``outs`` whether its GET reply was received into it), or None when a reply
-    is not one this reader parses. The connection goes back to its pool (disconnected unless
-    every reply was consumed cleanly)."""
+def _receive(pool: Any, conn: Any, read: Callable[[_Reader], _T]) -> _T | None:
+    """``read`` the replies of :func:`_send_gets` (from a reader of the connection's socket),
+    or None when a reply is not one this reader parses. The connection goes back to its pool
+    (disconnected unless every reply was consumed cleanly)."""
     clean = False
     try:
         sock = getattr(conn, "_sock", None)
         if not isinstance(sock, socket.socket):
             return None  # sent but not readable here: drop the connection
         reader = _Reader(sock)
-        head = reader.bulks() if lead else None
-        found = [reader.bulk_into(out) for out in outs]
+        result = read(reader)
         clean = not reader.buf  # nothing beyond the replies (else: out of step)
-        return head, found
+        return result
     except _Unsupported:
         return None
     except OSError as exc:  # socket.timeout included
@@ -201,6 +248,19 @@ def _receive(
         if not clean:
             conn.disconnect()
         pool.release(conn)
+
+
+def _gets_into(outs: Sequence[memoryview], lead: bool = False) -> Callable[
+    [_Reader], tuple[list[bytes | None] | None, list[bool]]
+]:  # fmt: skip
+    """The reading of :func:`_send_gets`' replies into ``outs``: (``lead``: the lead
+    command's reply, else None; per buffer whether its GET reply was received into it)."""
+
+    def read(reader: _Reader) -> tuple[list[bytes | None] | None, list[bool]]:
+        head = reader.bulks() if lead else None
+        return head, [reader.bulk_into(out) for out in outs]
+
+    return read
 
 
 def _cluster_get_into(
@@ -233,7 +293,8 @@ def _cluster_get_into(
             pending[0].release(pending[1])
             continue
         try:
-            got = _receive(*pending, [outs[i] for i in indices])  # gives the connection back
+            # _receive gives the connection back
+            got = _receive(*pending, _gets_into([outs[i] for i in indices]))
         except redis.ResponseError as exc:
             failed = None if is_redirect(exc) else exc
             unsupported = True

@@ -162,6 +162,84 @@ def test_the_mean_of_a_sum_kept_in_redis_is_tfs_element_by_element(dtype, raw, c
     assert out.tobytes() == want.tobytes()
 
 
+def _drive(steps, respond):
+    """Run a protocol step (a generator of requests) against ``respond``; its result."""
+    reply = None
+    try:
+        while True:
+            reply = respond(steps.send(reply))
+    except StopIteration as stop:
+        return stop.value
+
+
+@pytest.mark.parametrize("receives", [0, 1, 2])
+def test_payloads_are_received_back_to_back_or_read_the_ordinary_way(receives):
+    """A round's payloads land one after the other in the buffer given, as views of it; a
+    driver that cannot (asyncio, a cluster), or stops half-way, gets them read by GETs."""
+    from accumulator._requests import Batch, ReceiveAll
+    from accumulator._stream import ClaimReader
+
+    rng = np.random.default_rng(receives)
+    values = {f"k{i}".encode(): rng.bytes(int(rng.integers(0, 300))) for i in range(12)}
+    # one payload of ten parts (over two windows of 8), one inline, one of two parts
+    sources = [[f"k{i}".encode() for i in range(10)], b"inline!", [b"k10", b"k11"]]
+    want = [b"".join(values[f"k{i}".encode()] for i in range(10)), b"inline!",
+            values[b"k10"] + values[b"k11"]]  # fmt: skip
+    buf = bytearray(sum(map(len, values.values())))
+    into = memoryview(buf)
+    seen = []
+
+    def respond(request):
+        seen.append(type(request).__name__)
+        if isinstance(request, ReceiveAll):
+            if seen.count("ReceiveAll") > receives:
+                return None
+            pos, lengths = 0, []
+            for key in request.keys:
+                v = values[key]
+                request.into[pos : pos + len(v)] = v
+                pos += len(v)
+                lengths.append(len(v))
+            return lengths
+        assert isinstance(request, Batch)
+        return [values[cmd[1]] for cmd in request.commands]
+
+    got = _drive(ClaimReader(sources, "c").payloads(into), respond)
+    assert [bytes(g) for g in got] == want
+    if receives == 2:  # every part received in place: payloads are views of the buffer
+        assert seen == ["ReceiveAll", "ReceiveAll"]
+        assert all(isinstance(g, memoryview) and g.obj is buf for g in (got[0], got[2]))
+    else:  # the driver said no: GETs from there on (never ReceiveAll again)
+        assert seen.count("ReceiveAll") == receives + 1 and seen[-1] == "Batch"
+    assert _drive(ClaimReader(sources, "c").payloads(None), respond) == want
+
+
+def test_a_payload_missing_or_too_long_for_the_round_is_refused():
+    from accumulator import AccumulatorError
+    from accumulator._stream import ClaimReader
+
+    for reply in ([3, -1], [3, -2]):
+        with pytest.raises(AccumulatorError, match="missing or has the wrong length"):
+            _drive(ClaimReader([[b"a"], [b"b"]], "c").payloads(memoryview(bytearray(9))),
+                   lambda request, reply=reply: reply)  # fmt: skip
+
+
+def test_receive_buffers_are_lent_to_one_reader_at_a_time_and_one_is_kept():
+    from accumulator._stream import ReceiveBuffers
+
+    pool = ReceiveBuffers(keep=1000)
+    a, b = pool.borrow(10), pool.borrow(10)
+    assert a is not b and len(a) == len(b) == 10
+    pool.give_back(a)
+    pool.give_back(b)  # one is kept
+    assert pool.borrow(5) is a and pool.borrow(5) is not b
+    pool.give_back(a)
+    assert len(pool.borrow(20)) == 20  # too small: a new one
+    big = pool.borrow(2000)
+    pool.give_back(big)
+    assert pool.borrow(2000) is not big  # over keep: not kept
+
+
 # -- through Redis ------------------------------------------------------------------------------
 
 
@@ -257,6 +335,49 @@ def test_a_forged_parts_entry_is_never_followed(target):
     np.testing.assert_array_equal(acc.take_grad(1, timeout=5), np.ones(CHUNK // 2))
     assert r.get("prod:secret:0") == b"x"
     assert [q.split(b" ")[0] for q in r.lrange(acc._keys.quarantine, 0, -1)] == [b"foreign"] * 3
+
+
+def test_sparse_takes_receive_into_one_kept_buffer_and_return_arrays_of_their_own(
+    target, monkeypatch
+):
+    """A steady sparse taker receives every round into the same buffer (no fresh memory per
+    take), and what a take returned is never overwritten by the next one."""
+    from accumulator import _core
+
+    received = []
+    real_get_all_into = _core.get_all_into
+
+    def counting(*args):
+        got = real_get_all_into(*args)
+        received.append(got is not None)
+        return got
+
+    monkeypatch.setattr(_core, "get_all_into", counting)
+    cols = 64
+    acc = accumulator.SparseConditionalAccumulator(
+        np.float32, (100_000, cols), shared_name="sp", client=target.client()
+    )
+    rng = np.random.default_rng(7)
+    taken, kept = [], set()
+    for step in range(3):
+        # rows of each gradient are disjoint: the MEAN is the values themselves
+        rows = rng.permutation(100_000)[: 600 + 600 + 5000]
+        grads = [(np.sort(part), rng.standard_normal((len(part), cols)).astype(np.float32))
+                 for part in (rows[:600], rows[600:1200], rows[1200:])]  # fmt: skip
+        for idx, vals in grads:  # ~160 KiB (a payload key) twice, ~1.3 MiB (two parts)
+            assert acc.apply_grad(idx, vals, local_step=step)
+        got = acc.take_grad(3, timeout=10)
+        order = np.argsort(np.concatenate([idx for idx, _ in grads]))
+        want_idx = np.concatenate([idx for idx, _ in grads])[order]
+        want_vals = np.concatenate([vals for _, vals in grads])[order]
+        taken.append((got, want_idx, want_vals))
+        kept.add(id(acc._receive_buffers._spare[0]))
+    for got, want_idx, want_vals in taken:  # the later takes left them as they were
+        np.testing.assert_array_equal(got.indices, want_idx)
+        np.testing.assert_array_equal(got.values, want_vals)
+    assert len(kept) == 1
+    # in place where the driver can: a plain connection's socket (not fakeredis, a cluster)
+    assert any(received) == (target.kind in ("real", "module"))
 
 
 def test_the_apply_sends_the_callers_buffer_without_copying_it(real):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import redis
 
-from accumulator._wire import get_into, hmget_get_into
+from accumulator._wire import get_all_into, get_into, hmget_get_into
 
 
 def _bufs(*sizes: int) -> list[memoryview]:
@@ -34,6 +34,35 @@ def test_missing_and_wrong_length_are_reported_per_key(real):
     assert bytes(outs[0]) == b"abc" and r.get("a") == b"abc"
 
 
+def test_values_of_any_length_land_back_to_back(real):
+    r = real.redis()
+    if real.kind == "cluster":  # the caller reads through redis-py's cluster client
+        assert get_all_into(r, ["a"], memoryview(bytearray(3))) is None
+        return
+    data = [np.random.default_rng(i).bytes(n) for i, n in enumerate((5, 0, 70_000, 1 << 20))]
+    for i, d in enumerate(data):
+        r.set(f"k{i}", d)
+    total = sum(len(d) for d in data)
+    into = memoryview(bytearray(total + 7))
+    lengths = get_all_into(r, [f"k{i}" for i in range(4)], into)
+    assert lengths == [len(d) for d in data]
+    assert bytes(into[:total]) == b"".join(data) and bytes(into[total:]) == bytes(7)
+    assert r.get("k0") == data[0]  # the pooled connection is in step afterwards
+
+
+def test_a_missing_value_and_one_that_does_not_fit_are_reported(real):
+    if real.kind == "cluster":
+        pytest.skip("a cluster client is read through redis-py")
+    r = real.redis()
+    r.set("a", b"abc")
+    r.set("b", b"x" * 100_000)
+    into = memoryview(bytearray(50_000))
+    # nothing is placed once a value did not fit: what follows is reported as not fitting
+    assert get_all_into(r, ["a", "nope", "b", "a"], into) == [3, -1, -2, -2]
+    assert bytes(into[:3]) == b"abc" and not any(into[3:])
+    assert r.get("a") == b"abc"
+
+
 def test_an_error_reply_raises_and_drops_the_connection(real):
     r = real.redis()
     r.rpush("list", b"x")
@@ -49,6 +78,7 @@ def test_a_client_without_a_socket_reads_the_ordinary_way(target):
     r = target.redis()
     r.set("a", b"abc")
     assert get_into(r, ["a"], _bufs(3)) is None
+    assert get_all_into(r, ["a"], memoryview(bytearray(3))) is None
 
 
 def test_error_replies_are_raised_as_redis_py_raises_them():

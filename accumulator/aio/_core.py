@@ -28,6 +28,7 @@ from .._requests import (
     Ops,
     Pop,
     Receive,
+    ReceiveAll,
     Request,
     Subscribe,
     Unsubscribe,
@@ -304,7 +305,7 @@ class AccumulatorBase(AccumulatorModel):
             return await self._io(request.what, lambda: commands.execute_command(*request.args))
         if isinstance(request, Batch):
             return await self._io(request.what, lambda: self._batch(commands, request))
-        if isinstance(request, Receive):
+        if isinstance(request, (Receive, ReceiveAll)):
             return None  # no zero-copy receive here: the protocol reads the ordinary way
         if isinstance(request, Pop):
             then: list[Any] = []  # the reply of request.then, when made here
