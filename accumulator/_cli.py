@@ -49,10 +49,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import sys
 from collections.abc import Sequence
-from typing import TextIO
+from typing import NoReturn, TextIO
 
 import redis
 from redis.exceptions import AuthenticationError, RedisClusterException
@@ -89,7 +90,7 @@ from ._errors import (
     PermissionDeniedError,
     SchemaVersionError,
 )
-from ._redact import scrub
+from ._redact import scrub, url_secrets
 
 __all__ = [
     "AUTH_ENV",
@@ -157,10 +158,26 @@ def _add_global_options(parser: argparse.ArgumentParser, *, top: bool) -> None:
     )
 
 
+class _UsageError(Exception):
+    """A usage error found by the parser (argparse would print it and exit 2)."""
+
+    def __init__(self, parser: argparse.ArgumentParser, message: str) -> None:
+        super().__init__(message)
+        self.parser = parser
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is raised (:class:`_UsageError`) for :func:`main` to
+    report, as JSON too under ``--json``; its subcommand parsers are of this class too."""
+
+    def error(self, message: str) -> NoReturn:
+        raise _UsageError(self, message)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog=_PROG,
         description="Inspect and operate the accumulators kept in a Redis server.",
         epilog=f"password: ${AUTH_ENV} (as for redis-cli), used when the URL has none; "
@@ -235,6 +252,24 @@ def _fail(ctx: Context, error: CliError) -> int:
         with contextlib.suppress(Exception):
             ctx.dump({"error": {"code": error.code, "kind": error.kind, "message": message}})
     return error.code
+
+
+def _usage_failure(exc: _UsageError, argv: list[str], err: TextIO, out: TextIO) -> int:
+    """Report a usage error as argparse does (usage line, ``PROG: error: ...``) and, under
+    ``--json``, as the other errors are on stdout too. An argument it repeats is scrubbed of
+    passwords like every message."""
+    exc.parser.print_usage(err)
+    secrets = [secret for arg in argv for secret in url_secrets(arg)]
+    if os.environ.get(AUTH_ENV):
+        secrets.append(os.environ[AUTH_ENV])
+    message = esc(scrub(f"{exc.parser.prog}: error: {exc}", secrets))
+    err.write(message + "\n")
+    err.flush()
+    if "--json" in argv:
+        with contextlib.suppress(Exception):
+            out.write(json.dumps({"error": {"code": EXIT_USAGE, "kind": "usage",
+                                            "message": message}}, indent=2) + "\n")  # fmt: skip
+    return EXIT_USAGE
 
 
 #: The commands that name one accumulator (a name not found gets a container hint).
@@ -315,8 +350,10 @@ def main(
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
-    except SystemExit as exc:  # --help, --version, usage errors (code 2)
+    except SystemExit as exc:  # --help, --version
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    except _UsageError as exc:
+        return _usage_failure(exc, argv, err, stdout or sys.stdout)
     if not args.command:
         parser.print_help(err)
         return EXIT_USAGE

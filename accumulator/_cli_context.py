@@ -20,7 +20,13 @@ from redis.cluster import RedisCluster
 from redis.connection import SSLConnection, UnixDomainSocketConnection, parse_url
 from redis.retry import Retry
 
-from ._connection import cluster_url, new_cluster, scheme_problem, sentinel_client
+from ._connection import (
+    TLSConnection,
+    cluster_url,
+    new_cluster,
+    scheme_problem,
+    sentinel_client,
+)
 from ._redact import redact_url, url_secrets
 
 EXIT_OK = 0
@@ -158,7 +164,9 @@ class Context:
         if self.tls or self.tls_ca_cert:
             if options.get("connection_class") is UnixDomainSocketConnection:
                 raise CliError(EXIT_USAGE, "--tls needs a TCP URL, not a unix:// socket", "usage")
-            options["connection_class"] = SSLConnection
+            options["connection_class"] = TLSConnection
+        if options.get("connection_class") is SSLConnection:  # a rediss:// URL
+            options["connection_class"] = TLSConnection
         if self.tls_ca_cert:
             if not os.path.isfile(self.tls_ca_cert):
                 raise CliError(

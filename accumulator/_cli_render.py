@@ -149,7 +149,9 @@ def render_show(info: _admin.Info, prev: _admin.Info | None = None) -> list[str]
         definition += f"  ({info.definition_error})"
     pending = plural(info.count, "gradient")
     if info.round_shape is not None:
-        pending += f" of shape [{','.join(str(d) for d in info.round_shape)}]"
+        # a sparse round records the inner dims of its values (rows vary per gradient)
+        what = ", rows of shape" if info.kind == "sparse" else " of shape"
+        pending += f"{what} [{','.join(str(d) for d in info.round_shape)}]"
     pending += f", {fmt_bytes(info.bytes)}"
     storage = plural(info.keys, "key") if info.keys is not None else "n/a"
     storage += (

@@ -291,8 +291,21 @@ def url_options(url: str) -> dict[str, Any]:
     )
 
 
+class TLSConnection(redis.SSLConnection):
+    """redis-py's TLS connection, its handshake bounded by the connect timeout: redis-py runs
+    it under the command timeout (30 s here), which a TLS client of a plain server (one that
+    never answers the handshake) waited out on every try."""
+
+    def _wrap_socket_with_ssl(self, sock: Any) -> Any:  # redis-py >= 5.1 calls it
+        sock.settimeout(self.socket_connect_timeout)
+        wrapped = super()._wrap_socket_with_ssl(sock)  # type: ignore[no-untyped-call]
+        wrapped.settimeout(self.socket_timeout)
+        return wrapped
+
+
 def _url_client(url: str) -> redis.Redis:
-    return redis.Redis.from_url(url, retry=_retry(), **url_options(url))
+    tls = {"connection_class": TLSConnection} if url.startswith("rediss://") else {}
+    return redis.Redis.from_url(url, retry=_retry(), **url_options(url), **tls)
 
 
 def connect(client: Client, retry_window: float = RETRY_WINDOW) -> Connections:

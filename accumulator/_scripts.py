@@ -28,7 +28,7 @@ from ._errors import (
     SchemaVersionError,
     UnavailableError,
 )
-from ._keys import SCHEMAS
+from ._keys import SCHEMAS, parse_state_key
 from ._requests import Call, advance
 
 logger = logging.getLogger("accumulator")
@@ -110,7 +110,7 @@ def steps(name: str, keys: Sequence[str | bytes], args: Sequence[Any]) -> Genera
                 return (yield ["EVAL", source(name), len(keys), *keys, *args])
             return (yield evalsha_args(name, keys, args))
     except ResponseError as exc:
-        raise_translated(exc)
+        raise_translated(exc, keys[0] if keys else None)
 
 
 def call(client: redis.Redis, name: str, keys: Sequence[str | bytes], args: Sequence[Any]) -> Any:
@@ -179,18 +179,29 @@ def is_no_permission(reply: Any) -> bool:
     return isinstance(reply, NoPermissionError)
 
 
-def raise_translated(exc: Exception) -> NoReturn:
+def raise_translated(exc: Exception, state_key: str | bytes | None = None) -> NoReturn:
     """Raise :func:`translate`'s error for ``exc``, chained to it; ``exc`` itself (as it is)
     when it is not one of ours."""
-    error = translate(exc)
+    error = translate(exc, state_key)
     if error is exc:
         raise exc
     raise error from exc
 
 
-def translate(exc: Exception) -> Exception:
+def _accumulator_of(state_key: str | bytes | None) -> str:
+    """``accumulator 'name'`` (and its container) for an accumulator's state key."""
+    key = state_key.decode(errors="replace") if isinstance(state_key, bytes) else state_key
+    found = parse_state_key(key) if key else None
+    if found is None:
+        return "the accumulator"
+    container, name = found
+    return f"accumulator {name!r}" + (f" (container {container!r})" if container else "")
+
+
+def translate(exc: Exception, state_key: str | bytes | None = None) -> Exception:
     """Our error for an ``ACCERR``, ACL (NOPERM) or out-of-memory (OOM) reply; any other error
-    is returned unchanged."""
+    is returned unchanged. ``state_key``: the script's first key, the state hash of the
+    accumulator it ran for (named in the error when it is missing)."""
     text = str(exc)
     idx = text.find(ERROR_PREFIX.strip())
     if idx < 0:
@@ -209,7 +220,8 @@ def translate(exc: Exception) -> Exception:
     words = text[idx + len(ERROR_PREFIX) :].split()
     what = words[0] if words else ""
     if what == "NOTFOUND":
-        return NotFoundError("the accumulator does not exist (deleted, reset or expired)")
+        return NotFoundError(f"{_accumulator_of(state_key)} does not exist (deleted, reset or "
+                             "expired)")  # fmt: skip
     if what == "SCHEMA":
         have = words[1] if len(words) > 1 else "?"
         return SchemaVersionError(

@@ -446,6 +446,21 @@ def test_errors_as_json(real: Target) -> None:
     assert json.loads(proc.stdout)["error"]["code"] == 1
 
 
+def test_usage_errors_as_json_and_scrubbed() -> None:
+    """A script reading --json output gets JSON for a usage error too; an argument the error
+    repeats is scrubbed of its password like every message."""
+    proc = cli("show", "--json")  # no name
+    err = failed(proc, 2)
+    assert "usage: accumulator show" in err and "required: name" in err
+    error = json.loads(proc.stdout)["error"]
+    assert error["code"] == 2 and error["kind"] == "usage" and "name" in error["message"]
+    proc = cli("ls", "redis://:hunter2@example.com", "--json")
+    err = failed(proc, 2)
+    assert "unrecognized arguments" in err and "hunter2" not in err + proc.stdout
+    assert "***" in json.loads(proc.stdout)["error"]["message"]
+    assert failed(cli("show"), 2) and cli("show").stdout == ""  # no --json: stderr only
+
+
 def test_unreachable_server_exits_3() -> None:
     url = f"redis://127.0.0.1:{_free_port()}/0"
     for args in (["ls"], ["show", "x"], ["delete", "x", "--yes"]):
@@ -678,6 +693,18 @@ def test_ls_lists_a_foreign_key_as_a_warning_row(
 
 
 # -- show: more state; a name in another container ---------------------------------------------
+
+
+def test_show_of_a_sparse_round_names_its_rows(real: Target) -> None:
+    acc = accumulator.SparseConditionalAccumulator(np.float32, (100, 4), shared_name="emb",
+                                                   client=real.url)  # fmt: skip
+    try:
+        acc.apply_grad(np.array([1, 5]), np.ones((2, 4)), local_step=0)
+        text = ok(cli("show", "emb", "--url", real.url))
+        assert re.search(r"definition\s+sparse float32 \[100,4\] MEAN", text)
+        assert re.search(r"pending round\s+1 gradient, rows of shape \[4\], ", text)
+    finally:
+        acc.close()
 
 
 def test_show_quarantine_and_pending_limit(real: Target, make: Callable[..., Any]) -> None:

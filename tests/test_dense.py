@@ -94,11 +94,21 @@ def test_private_accumulators_are_unreachable_and_cleaned_up(target):
 
 def test_deleted_accumulator_is_a_clear_error(target):
     acc = make(target)
-    target.redis().delete(acc.accumulator_ref + ":s")
-    with pytest.raises(accumulator.NotFoundError):
+    other = accumulator.ConditionalAccumulator(
+        np.float32, shape=SMALL, shared_name="x y", container="team", client=target.client()
+    )
+    for a in (acc, other):
+        target.redis().delete(a.accumulator_ref + ":s")
+    # the error names the accumulator (a job may drive dozens)
+    with pytest.raises(accumulator.NotFoundError, match=f"accumulator {acc.shared_name!r} does"):
         acc.apply_grad(np.ones(SMALL))
-    with pytest.raises(accumulator.NotFoundError):
+    with pytest.raises(accumulator.NotFoundError, match=f"{acc.shared_name!r} does not exist"):
+        acc.take_grad(1, timeout=1)
+    with pytest.raises(accumulator.NotFoundError, match=f"{acc.shared_name!r} does not exist"):
         acc.num_accumulated()
+    with pytest.raises(accumulator.NotFoundError,
+                       match=r"accumulator 'x y' \(container 'team'\) does not"):  # fmt: skip
+        other.apply_grad(np.ones(SMALL))
 
 
 @pytest.mark.parametrize("shape", [SMALL, LARGE], ids=["inline", "blob"])

@@ -354,6 +354,47 @@ def test_cli_tls(tls_server: tuple[int, Path]) -> None:
     assert "unix://" in shown(cli("ls", "--tls", "--url", "unix:///tmp/nothing.sock"), 2)
 
 
+def test_a_library_client_of_a_tls_url_speaks_tls(tls_server: tuple[int, Path]) -> None:
+    import numpy as np
+
+    port, ca = tls_server
+    url = f"rediss://:{PW}@127.0.0.1:{port}/0?ssl_ca_certs={ca}"
+    with accumulator.ConditionalAccumulator(np.float32, (2,), shared_name="tls", client=url) as acc:
+        assert acc.apply_grad(np.ones(2, np.float32), local_step=0)
+        assert acc.take_grad(1).tolist() == [1.0, 1.0]
+
+
+def test_a_tls_handshake_nobody_answers_ends_at_the_connect_timeout() -> None:
+    """A TLS client of a plain server (which never answers the handshake) gives up after the
+    connect timeout; redis-py's own class waits the command timeout (here: forever)."""
+    import socket
+    import threading
+
+    import redis
+
+    from accumulator._connection import TLSConnection
+
+    silent = socket.create_server(("127.0.0.1", 0))  # accepts (backlog), never answers
+    outcome: list[BaseException] = []
+
+    def connect() -> None:
+        conn = TLSConnection(host="127.0.0.1", port=silent.getsockname()[1],
+                             socket_connect_timeout=0.3, socket_timeout=None)  # fmt: skip
+        try:
+            conn.connect()
+        except BaseException as exc:  # noqa: BLE001 - the outcome is checked below
+            outcome.append(exc)
+
+    try:
+        worker = threading.Thread(target=connect, daemon=True)
+        worker.start()
+        worker.join(30)
+        assert not worker.is_alive(), "the handshake was not bounded by the connect timeout"
+        assert outcome and isinstance(outcome[0], (redis.TimeoutError, redis.ConnectionError))
+    finally:
+        silent.close()
+
+
 def test_redis_server_logs_no_password(caplog):
     import logging
 

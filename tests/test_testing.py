@@ -352,6 +352,8 @@ def test_only_the_main_thread_starts_servers_with_a_death_signal() -> None:
 
 @pytest.mark.real
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+# JAX (imported by test_jax) warns about forking its threads; the child only calls _exit
+@pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")
 def test_forked_child_exit_leaves_parent_server_alone(server: RedisServer) -> None:
     workdir = server.workdir
     child = os.fork()
