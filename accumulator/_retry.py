@@ -115,10 +115,12 @@ class Backoff:
         self.warned = True
         return True
 
-    def next_delay(self, now: float) -> float | None:
-        """Seconds to wait before the next attempt, or None: the window is over."""
+    def next_delay(self, now: float, began: float | None = None) -> float | None:
+        """Seconds to wait before the next attempt, or None: the window is over. ``began``:
+        when the attempt that failed began, if its whole time counts as unreachable (it
+        failed to connect: a connect timeout, retried by redis-py, takes many seconds)."""
         if self.started is None:
-            self.started = now
+            self.started = now if began is None else min(began, now)
         self.failures += 1
         left = self.started + self.window - now
         if left <= 0:
@@ -142,10 +144,11 @@ def call(
     """
     backoff = Backoff(window)
     while True:
+        began = time.monotonic()
         try:
             return fn()
         except _CAUGHT as exc:
-            time.sleep(_next_wait(backoff, exc, what, give_up))
+            time.sleep(_next_wait(backoff, exc, what, give_up, began))
 
 
 async def acall(
@@ -158,28 +161,41 @@ async def acall(
     """:func:`call` for asyncio: ``await fn()``, retried the same way."""
     backoff = Backoff(window)
     while True:
+        began = time.monotonic()
         try:
             return await fn()
         except _CAUGHT as exc:
-            await asyncio.sleep(_next_wait(backoff, exc, what, give_up))
+            await asyncio.sleep(_next_wait(backoff, exc, what, give_up, began))
+
+
+def failed_to_connect(exc: BaseException) -> bool:
+    """Whether redis-py failed to open a connection (its "Timeout connecting to server",
+    "Error 111 connecting to host:port"), as opposed to losing one in use."""
+    return isinstance(exc, (redis.ConnectionError, redis.TimeoutError)) and (
+        "connecting to" in str(exc)
+    )
 
 
 def _next_wait(
-    backoff: Backoff, exc: BaseException, what: str, give_up: Callable[[], bool]
-) -> float:
+    backoff: Backoff, exc: BaseException, what: str, give_up: Callable[[], bool],
+    began: float | None = None,
+) -> float:  # fmt: skip
     """Seconds to pause before retrying after ``exc``; raises it (or UnavailableError once the
-    window is over, or ``give_up()``) when it is not to be retried."""
+    window is over, or ``give_up()``) when it is not to be retried. ``began``: when the
+    failed attempt began; the window counts from there when it failed to connect (a long
+    transfer cut off at its end still gets the whole window)."""
     if isinstance(exc, RedisClusterException):
         exc = cluster_error(exc)
     if not is_transient(exc):
         raise exc
     now = time.monotonic()
-    wait = backoff.next_delay(now)
+    wait = backoff.next_delay(now, began if failed_to_connect(exc) else None)
     if wait is None or give_up():
         stopped = "" if wait is None else "; given up: closed"
         raise UnavailableError(
             f"{what}: Redis unreachable for {backoff.elapsed(now):.1f}s ({backoff.failures} "
-            f"attempts{stopped}; last: {type(exc).__name__}: {exc})"
+            f"attempt{'' if backoff.failures == 1 else 's'}{stopped}; last: "
+            f"{type(exc).__name__}: {exc})"
         ) from exc
     if backoff.failures == 1:
         logger.info("%s: %s; retrying for up to %gs", what, exc, backoff.window)

@@ -240,6 +240,27 @@ def test_retry_window_is_a_constructor_argument_and_a_long_outage_warns(caplog) 
     assert found and 2 <= int(found.group(1)) < 5, warnings[0].getMessage()
 
 
+def test_the_window_counts_a_failed_connect_from_its_start() -> None:
+    """A connect that failed after many seconds (redis-py retries a connect timeout itself:
+    4 x 5 s against a server that never answers) used up that much of the window; a
+    connection lost after a long transfer did not (the window starts at the failure)."""
+    import redis
+
+    from accumulator import _retry
+
+    timed_out = redis.TimeoutError("Timeout connecting to server")
+    refused = redis.ConnectionError("Error 111 connecting to 127.0.0.1:1. Connection refused.")
+    lost = redis.ConnectionError("Connection closed by server.")
+    assert _retry.failed_to_connect(timed_out) and _retry.failed_to_connect(refused)
+    assert not _retry.failed_to_connect(lost)
+    long_ago = time.monotonic() - 12
+    once = r"unreachable for 1\d\.\ds \(1 attempt;"
+    for exc in (timed_out, refused):
+        with pytest.raises(accumulator.UnavailableError, match=once):
+            _retry._next_wait(_retry.Backoff(window=10), exc, "open", lambda: False, long_ago)
+    assert _retry._next_wait(_retry.Backoff(window=10), lost, "x", lambda: False, long_ago) > 0
+
+
 def test_an_unreachable_cluster_url_is_retried_then_unavailable() -> None:
     """redis-py's cluster client connects when made (to learn the nodes) and raises its own
     ``RedisClusterException``: opening rides it out as any unreachable server, then raises
