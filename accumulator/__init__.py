@@ -24,7 +24,12 @@ from ._errors import (
     SchemaVersionError,
     UnavailableError,
 )
-from ._functions import list_accumulators, reset_container
+from ._functions import (
+    delete_accumulator,
+    describe_accumulator,
+    list_accumulators,
+    reset_container,
+)
 from ._sparse import IndexedSlices, SparseConditionalAccumulator, SparseGradient
 
 __version__ = "0.1.0"
@@ -47,6 +52,8 @@ __all__ = [
     "SparseGradient",
     "UnavailableError",
     "__version__",
+    "delete_accumulator",
+    "describe_accumulator",
     "list_accumulators",
     "raw_ops",
     "reset_container",

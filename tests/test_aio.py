@@ -424,6 +424,11 @@ def test_module_functions(real):
         client = aconnect(real.url)
         names = [info.shared_name for info in await aio.list_accumulators("c", client=client)]
         assert names == ["f"]
+        info = await aio.describe_accumulator("f", container="c", client=client)
+        assert (info.shared_name, info.count) == ("f", 1)
+        async with aio.ConditionalAccumulator(np.float32, (1,), shared_name="g",
+                                              client=real.url):  # fmt: skip
+            assert await aio.delete_accumulator("g", client=client) > 0
         assert await aio.reset_container("c", client=real.url) == 1
         assert await aio.list_accumulators(client=real.url) == []
         await client.aclose()

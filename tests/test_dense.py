@@ -518,6 +518,24 @@ def test_reset_container_removes_only_that_container(target):
     assert names == {("job2", "q")}
 
 
+def test_describe_and_delete_one_accumulator_by_name(target):
+    a = make(target, shared_name="q", container="job1")
+    b = make(target, shared_name="q", container="job2")
+    a.apply_grad(np.ones(SMALL), local_step=0)
+    info = accumulator.describe_accumulator("q", container="job1", client=target.client())
+    assert (info.container, info.shared_name, info.kind, info.count) == ("job1", "q", "dense", 1)
+    assert info.step == 0 and info.keys and info.keys > 0
+    with pytest.raises(accumulator.NotFoundError, match="'q'"):
+        accumulator.describe_accumulator("q", client=target.client())  # not in container ""
+    assert accumulator.delete_accumulator("q", container="job1", client=target.client()) > 0
+    assert not keys_of(target, a)
+    with pytest.raises(accumulator.NotFoundError):
+        a.apply_grad(np.ones(SMALL), local_step=0)
+    with pytest.raises(accumulator.NotFoundError):
+        accumulator.delete_accumulator("q", container="job1", client=target.client())
+    assert b.num_accumulated() == 0  # the other container's is untouched
+
+
 def test_a_blob_round_is_freed_when_its_take_returns(target):
     acc = make(target, shape=LARGE)
     for _ in range(2):

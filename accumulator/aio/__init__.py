@@ -18,12 +18,19 @@ from __future__ import annotations
 
 from ._accumulators import ConditionalAccumulator, SparseConditionalAccumulator
 from ._core import AccumulatorBase
-from ._functions import list_accumulators, reset_container
+from ._functions import (
+    delete_accumulator,
+    describe_accumulator,
+    list_accumulators,
+    reset_container,
+)
 
 __all__ = [
     "AccumulatorBase",
     "ConditionalAccumulator",
     "SparseConditionalAccumulator",
+    "delete_accumulator",
+    "describe_accumulator",
     "list_accumulators",
     "reset_container",
 ]

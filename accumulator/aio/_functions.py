@@ -35,3 +35,22 @@ async def list_accumulators(
     :func:`accumulator.list_accumulators`."""
     sync = _sync_client(client)
     return await asyncio.to_thread(_functions.list_accumulators, container, client=sync)
+
+
+async def describe_accumulator(
+    shared_name: str, *, container: str = "", client: AsyncClient = None
+) -> _admin.Info:
+    """Everything about one accumulator: see :func:`accumulator.describe_accumulator`."""
+    sync = _sync_client(client)
+    return await asyncio.to_thread(_functions.describe_accumulator, shared_name,
+                                   container=container, client=sync)  # fmt: skip
+
+
+async def delete_accumulator(
+    shared_name: str, *, container: str = "", client: AsyncClient = None
+) -> int:
+    """Delete one accumulator; the number of keys deleted (see
+    :func:`accumulator.delete_accumulator`)."""
+    sync = _sync_client(client)
+    return await asyncio.to_thread(_functions.delete_accumulator, shared_name,
+                                   container=container, client=sync)  # fmt: skip
