@@ -380,6 +380,41 @@ def test_sparse_takes_receive_into_one_kept_buffer_and_return_arrays_of_their_ow
     assert any(received) == (target.kind in ("real", "module"))
 
 
+def test_a_sparse_read_cut_off_half_way_is_read_again(real, monkeypatch):
+    """The connection dies in the middle of receiving a round's payloads into the buffer:
+    the read is retried (on a fresh connection) and the take returns the round intact."""
+    from accumulator import _wire
+
+    if real.kind == "cluster":
+        pytest.skip("a cluster client is read through redis-py")
+    acc = accumulator.SparseConditionalAccumulator(
+        np.float32, (10_000, 64), shared_name="cut", client=real.client()
+    )
+    rng = np.random.default_rng(3)
+    rows = rng.permutation(10_000)[:1200]
+    grads = [(np.sort(rows[:600]), rng.standard_normal((600, 64)).astype(np.float32)),
+             (np.sort(rows[600:]), rng.standard_normal((600, 64)).astype(np.float32))]  # fmt: skip
+    for idx, vals in grads:
+        assert acc.apply_grad(idx, vals, local_step=0)
+    real_bulk_at = _wire._Reader.bulk_at
+    cuts = []
+
+    def cut_second(self, into, pos):
+        if pos > 0 and not cuts:  # the first value is in: the connection dies now
+            cuts.append(pos)
+            self.sock.close()
+            raise OSError("connection reset (injected)")
+        return real_bulk_at(self, into, pos)
+
+    monkeypatch.setattr(_wire._Reader, "bulk_at", cut_second)
+    got = acc.take_grad(2, timeout=10)
+    assert cuts, "the fault was not injected"
+    order = np.argsort(np.concatenate([idx for idx, _ in grads]))
+    np.testing.assert_array_equal(got.indices, np.concatenate([i for i, _ in grads])[order])
+    np.testing.assert_array_equal(got.values, np.concatenate([v for _, v in grads])[order])
+    assert acc.num_accumulated() == 0 and acc.global_step() == 1
+
+
 def test_the_apply_sends_the_callers_buffer_without_copying_it(real):
     shape = (16 * CHUNK // 4,)  # 16 MiB
     grad = np.ones(shape, np.float32)
