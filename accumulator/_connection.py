@@ -6,10 +6,12 @@ from __future__ import annotations
 import hashlib
 import inspect
 import os
+import re
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias, cast
+from urllib.parse import urlsplit
 
 import redis
 from redis.backoff import ExponentialWithJitterBackoff
@@ -447,11 +449,16 @@ URL_SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+c
 
 
 def scheme_problem(url: str) -> str | None:
-    """What is wrong with a URL's scheme (redis-py's own error lists only its three), or
-    None when it is one of :data:`URL_SCHEMES`."""
-    if url.startswith(URL_SCHEMES):
-        return None
-    return f"it must start with one of {', '.join(URL_SCHEMES)}"
+    """What is wrong with a URL's scheme (redis-py's own error lists only its three), or with
+    the database of a ``redis://``/``rediss://`` URL (redis-py takes ``/abc`` for db 0); None
+    when nothing is."""
+    if not url.startswith(URL_SCHEMES):
+        return f"it must start with one of {', '.join(URL_SCHEMES)}"
+    if url.startswith(("redis://", "rediss://")):
+        path = urlsplit(url).path
+        if path.strip("/") and not re.fullmatch(r"[0-9]+", path.strip("/")):
+            return f"its path must be a database number (/0, /1, ...), not {path!r}"
+    return None
 
 
 def check_url(url: str) -> None:

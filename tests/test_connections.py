@@ -178,6 +178,25 @@ def test_a_command_is_routed_by_its_first_key_a_script_call_by_its_first_keys_en
     assert _connection.routing_keys([("GET", "k1"), ("PING",)]) is None
 
 
+def test_a_database_that_is_no_number_is_refused() -> None:
+    """redis-py reads ``redis://host/abc`` as database 0: a typo would share db 0 with
+    whatever lives there."""
+    import io
+
+    from accumulator import _cli, _connection
+
+    for url in ("redis://:secret@127.0.0.1:1/abc", "rediss://127.0.0.1:1/-1"):
+        with pytest.raises(accumulator.InvalidArgumentError, match="database number") as info:
+            accumulator.ConditionalAccumulator(np.float32, (2,), shared_name="u", client=url)
+        assert "secret" not in str(info.value)
+        err = io.StringIO()
+        assert _cli.main(["ls", "--url", url], stdout=io.StringIO(), stderr=err) == 2
+        assert "database number" in err.getvalue()
+    for url in ("redis://h", "redis://h/", "redis://h/3", "redis://h/3/", "redis://h/12?x=1",
+                "unix:///tmp/s.sock?db=2"):  # fmt: skip
+        assert _connection.scheme_problem(url) is None, url
+
+
 def test_a_url_of_another_scheme_is_refused_naming_every_scheme_we_take() -> None:
     """redis-py's own error lists only redis://, rediss:// and unix://; ours lists the cluster
     and Sentinel schemes too, is an InvalidArgumentError (also in the CLI: usage, exit 2),
