@@ -10,6 +10,7 @@ import redis
 
 from . import _scripts
 from ._admin_read import _not_found, _scan, list_accumulators
+from ._connection import require_transactions
 from ._core import leave
 from ._errors import InvalidArgumentError, NotFoundError
 from ._keys import DEFAULT_PREFIX, SCHEMA_VERSION, SCHEMAS, Keys
@@ -78,12 +79,17 @@ def reset(
 
 
 def delete(
-    r: redis.Redis, shared_name: str, container: str = "", *, prefix: str = DEFAULT_PREFIX
-) -> int:
+    r: redis.Redis, shared_name: str, container: str = "", *, prefix: str = DEFAULT_PREFIX,
+    checked: bool = False,
+) -> int:  # fmt: skip
     """Delete every key of one accumulator (state, round, payloads, takers, claims, retry
     records). Processes still using it get :class:`NotFoundError`. Returns the number of keys
-    deleted; raises :class:`NotFoundError` when there was none."""
+    deleted; raises :class:`NotFoundError` when there was none, and
+    :class:`PermissionDeniedError` before deleting anything when the user may not run the
+    transaction it starts with (``checked``: the caller found it may)."""
     keys = Keys(container, shared_name, prefix)
+    if not checked:
+        require_transactions(r, keys.state)
     fixed = [keys.state, keys.grads, keys.takers, keys.taker_info, keys.wake, keys.queue_wake,
              keys.quarantine, keys.claims, keys.finished, keys.orphans]  # fmt: skip
     # The state first, atomically with reading the round: from here on every script answers
@@ -112,8 +118,11 @@ def reset_container(r: redis.Redis, container: str, *, prefix: str = DEFAULT_PRE
     """Delete every accumulator of one container (TF's container reset). Returns how many."""
     deleted = 0
     for info in list_accumulators(r, container, prefix=prefix):
+        keys = Keys(info.container, info.shared_name, prefix)
+        if not deleted:  # before the first delete (the same user for every one)
+            require_transactions(r, keys.state)
         try:
-            delete(r, info.shared_name, info.container, prefix=prefix)
+            delete(r, info.shared_name, info.container, prefix=prefix, checked=True)
         except NotFoundError:  # deleted by someone else meanwhile
             continue
         deleted += 1
@@ -147,6 +156,7 @@ def evict(
         raise _not_found(shared_name, container)
     waiting = r.zscore(keys.takers, taker_id) is not None
     if drop:
+        require_transactions(r, keys.state)
         with r.pipeline(transaction=True) as pipe:
             pipe.watch(claim)
             entries = pipe.lrange(claim, 0, -1)

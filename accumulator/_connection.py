@@ -18,13 +18,13 @@ from redis.backoff import ExponentialWithJitterBackoff
 from redis.cluster import RedisCluster
 from redis.connection import AbstractConnection, PythonRespSerializer
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisClusterException
+from redis.exceptions import NoPermissionError, RedisClusterException
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 from redis.sentinel import SentinelConnectionPool
 
 from . import _retry as retrying
-from ._errors import InvalidArgumentError
+from ._errors import InvalidArgumentError, PermissionDeniedError
 from ._redact import redact_url
 from ._retry import RETRY_WINDOW
 
@@ -303,6 +303,22 @@ class TLSConnection(redis.SSLConnection):
         wrapped = super()._wrap_socket_with_ssl(sock)  # type: ignore[no-untyped-call]
         wrapped.settimeout(self.socket_timeout)
         return wrapped
+
+
+def require_transactions(r: Any, key: str | bytes) -> None:
+    """:class:`PermissionDeniedError` unless the user may run MULTI/EXEC, probed with a
+    transaction that only reads ``key``. redis-py sends MULTI, the commands and EXEC in one
+    go: when the ACL refuses MULTI, Redis runs the commands one by one, outside any
+    transaction, and only EXEC fails (a delete would be half done)."""
+    pipe = r.pipeline(transaction=True)
+    pipe.exists(key)
+    try:
+        pipe.execute()
+    except NoPermissionError as exc:
+        raise PermissionDeniedError(
+            f"the Redis user may not run transactions (MULTI/EXEC), which this needs; nothing "
+            f"was changed (see the README's Security section for what each role needs): {exc}"
+        ) from exc
 
 
 def _url_client(url: str) -> redis.Redis:

@@ -64,6 +64,15 @@ class PermissionDeniedError(AccumulatorError, PermissionError):
     command; the README's "Security" section lists what each role needs."""
 
 
+def permission_denied(text: str) -> PermissionDeniedError:
+    """Ours for a refusal by the server's ACL whose text does not name what we need (redis-py's
+    ``NoPermissionError``, a script's "can't run this command")."""
+    return PermissionDeniedError(
+        f"the Redis user lacks a permission: {text} (see the README's Security section for "
+        "what each role needs)"
+    )
+
+
 class ResourceExhaustedError(AccumulatorError):
     """Redis is out of memory (``maxmemory`` reached under ``noeviction``), or the pending
     round would pass the accumulator's ``max_pending_bytes``. Nothing was applied."""

@@ -25,6 +25,7 @@ from ._errors import (
     CancelledError,
     InvalidArgumentError,
     NotFoundError,
+    PermissionDeniedError,
     UnavailableError,
 )
 from ._keys import SCHEMA_VERSION, SPREAD_SCHEMA, Keys
@@ -287,7 +288,7 @@ class AccumulatorModel:
         explicit = 0 if self._max_pending is None else 1
         yield from _load_scripts()
         yield from _check_durability(self._durability())
-        summed = "" if self._want_spread else (yield from self._sum_dtype_for_new())
+        summed = "" if self._want_spread else (yield from self._sum_dtype_for_new(cluster))
         spread = self._want_spread
         if spread is None:
             spread = cluster and not self._private and not summed
@@ -303,10 +304,11 @@ class AccumulatorModel:
         )  # fmt: skip
         self._schema = int(schema)
         self._sum_dtype = summed.decode() if isinstance(summed, bytes) else (summed or "")
-        if self._want_sum and not self._sum_dtype:
+        if self._want_sum is not None and self._want_sum != bool(self._sum_dtype):
             logger.warning(
-                "accumulator %r exists and sums on the taker: sum_in_redis=True applies only "
-                "when an accumulator is created", self._shared_name,
+                "accumulator %r exists and sums %s: sum_in_redis=%s applies only when an "
+                "accumulator is created (every client of one agrees)", self._shared_name,
+                "in Redis" if self._sum_dtype else "on the taker", self._want_sum,
             )  # fmt: skip
         yield from _warn_if_evicting(where)
         if not created and existing != self._definition.pack():
@@ -325,11 +327,18 @@ class AccumulatorModel:
                     f"{theirs.describe()}; cannot open it as {self._definition.describe()}"
                 )
 
-    def _sum_dtype_for_new(self) -> Ops[str]:
+    def _sum_dtype_for_new(self, cluster: bool = False) -> Ops[str]:
         """The accsum module's dtype when a new accumulator is to keep its sums in Redis: a
         dense one of a dtype the module adds, on a server that runs the module (or as
-        ``sum_in_redis`` says); else ''."""
+        ``sum_in_redis`` says; never on a cluster); else ''."""
         if self._want_sum is False or self._kind != "dense":
+            return ""
+        if cluster:
+            if self._want_sum:
+                raise InvalidArgumentError(
+                    "sum_in_redis=True: the accsum module is not used on a Redis Cluster (yet): "
+                    "there the taker sums; open the accumulator without sum_in_redis"
+                )
             return ""
         name = _module.module_dtype(self.dtype)
         if self._want_sum is None and name is None:
@@ -394,7 +403,9 @@ def _check_durability(durability: Durability | None) -> Ops[None]:
             # a replica refuses WAIT: a Sentinel-managed client reached the old primary in
             # a failover (the server can; the next write finds the new primary)
             return
-        if _scripts.is_no_permission(exc):  # the user's ACL, not the server: say so
+        if isinstance(exc, PermissionDeniedError):  # the user's ACL, not the server: say so
+            raise
+        if _scripts.is_no_permission(exc):
             raise _scripts.translate(exc) from exc
         raise UnavailableError(
             f"{durability.describe()}: the Redis server cannot confirm writes that way "

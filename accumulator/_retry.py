@@ -26,12 +26,13 @@ from redis.exceptions import (
     AuthenticationError,
     AuthorizationError,
     ClusterDownError,
+    NoPermissionError,
     RedisClusterException,
     SlotNotCoveredError,
     TryAgainError,
 )
 
-from ._errors import InvalidArgumentError, UnavailableError
+from ._errors import InvalidArgumentError, UnavailableError, permission_denied
 
 logger = logging.getLogger("accumulator")
 
@@ -149,6 +150,8 @@ def call(
             return fn()
         except _CAUGHT as exc:
             time.sleep(_next_wait(backoff, exc, what, give_up, began))
+        except NoPermissionError as exc:  # redis-py's, of a plain command or pipeline
+            raise permission_denied(str(exc)) from exc
 
 
 async def acall(
@@ -166,6 +169,8 @@ async def acall(
             return await fn()
         except _CAUGHT as exc:
             await asyncio.sleep(_next_wait(backoff, exc, what, give_up, began))
+        except NoPermissionError as exc:
+            raise permission_denied(str(exc)) from exc
 
 
 def failed_to_connect(exc: BaseException) -> bool:

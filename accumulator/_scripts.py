@@ -27,6 +27,7 @@ from ._errors import (
     ResourceExhaustedError,
     SchemaVersionError,
     UnavailableError,
+    permission_denied,
 )
 from ._keys import SCHEMAS, parse_state_key
 from ._requests import Call, advance
@@ -175,8 +176,13 @@ def check_loaded(replies: Sequence[Any]) -> None:
 
 
 def is_no_permission(reply: Any) -> bool:
-    """Whether a reply is the server's refusal of a command to this user (ACL)."""
-    return isinstance(reply, NoPermissionError)
+    """Whether a reply is the server's refusal of a command to this user (ACL), as redis-py
+    raises it or as ours (the retry loop translates it)."""
+    return isinstance(reply, (NoPermissionError, PermissionDeniedError))
+
+
+#: The text of a script's command refused by the ACL (Redis 7; it does not name the command).
+_SCRIPT_NOPERM = "The user executing the script can't run this command"
 
 
 def raise_translated(exc: Exception, state_key: str | bytes | None = None) -> NoReturn:
@@ -205,11 +211,11 @@ def translate(exc: Exception, state_key: str | bytes | None = None) -> Exception
     text = str(exc)
     idx = text.find(ERROR_PREFIX.strip())
     if idx < 0:
-        if isinstance(exc, NoPermissionError) or text.startswith("NOPERM"):
-            return PermissionDeniedError(
-                f"the Redis user lacks a permission: {text} (see the README's Security "
-                "section for what each role needs)"
-            )
+        if (isinstance(exc, NoPermissionError) or text.startswith("NOPERM")
+                or _SCRIPT_NOPERM in text):  # fmt: skip
+            # (a script's read made before its permission checks, refused by the ACL: nothing
+            # was written yet)
+            return permission_denied(text.split(" script: ")[0])
         if isinstance(exc, OutOfMemoryError) or text.startswith("OOM"):
             return ResourceExhaustedError(
                 f"Redis is out of memory (maxmemory): {text.split(' script: ')[0]} Nothing was "

@@ -25,9 +25,11 @@ SLOTS = 16384
 class LocalCluster:
     """A throwaway Redis Cluster on free loopback ports: ``primaries`` primaries with
     ``replicas_each`` replicas each (3 and 1 by default), slots split evenly, ready when
-    :meth:`start` returns. :meth:`client` is a ``redis.cluster.RedisCluster``; :attr:`url`
-    names one primary (a cluster client finds the others); :attr:`servers` are
-    :class:`RedisServer` objects (``kill()`` one to make its replica take over)::
+    :meth:`start` returns. :meth:`client` is a ``redis.cluster.RedisCluster`` and
+    :attr:`cluster_url` a ``redis+cluster://`` URL (what ``client=`` and the CLI take);
+    :attr:`url` is a plain URL of one primary (that node alone: accumulators of slots it
+    does not serve answer MOVED); :attr:`servers` are :class:`RedisServer` objects
+    (``kill()`` one to make its replica take over)::
 
         with LocalCluster() as cluster:
             acc = ConditionalAccumulator(np.float32, (4,), shared_name="w",
@@ -54,7 +56,8 @@ class LocalCluster:
 
     @property
     def url(self) -> str:
-        """A URL of the first primary (as started)."""
+        """A plain ``redis://`` URL of the first primary (as started): that one node, not
+        the cluster (for the cluster: :attr:`cluster_url`)."""
         return self.servers[0].url
 
     def start(self) -> LocalCluster:

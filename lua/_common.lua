@@ -7,9 +7,21 @@ local function acc_error(what)
   return redis.error_reply('ACCERR ' .. what)
 end
 
+-- The error reply for a read that failed (redis.pcall's error): a refusal by the ACL says
+-- which command and key (Redis's own text does not), anything else as it is.
+local function refused(command, key, err)
+  local text = tostring(err)  -- (a string; fakeredis's Lua gives a userdata)
+  if string.find(text, "can't run", 1, true) or string.find(text, 'NOPERM', 1, true)
+      or string.find(text, 'no permissions', 1, true) then
+    return acc_error('NOPERM ' .. command .. ' ' .. key)
+  end
+  return redis.error_reply(text)
+end
+
 -- nil when the state hash exists with the schema this client speaks, else an error reply.
 local function check_schema(state, want)
-  local have = redis.call('HGET', state, 'schema')
+  local have = redis.pcall('HGET', state, 'schema')
+  if type(have) == 'table' and have.err then return refused('HGET', state, have.err) end
   if not have then return acc_error('NOTFOUND') end
   if have ~= want then return acc_error('SCHEMA ' .. have) end
   return nil
@@ -18,7 +30,8 @@ end
 -- One HMGET for the schema check and the fields a script needs (a call per field costs more
 -- than the work). Returns an error reply, or nil and a table field -> value (false if unset).
 local function read_state(state, want, fields)
-  local values = redis.call('HMGET', state, 'schema', unpack(fields))
+  local values = redis.pcall('HMGET', state, 'schema', unpack(fields))
+  if values.err then return refused('HMGET', state, values.err) end
   if not values[1] then return acc_error('NOTFOUND') end
   if values[1] ~= want then return acc_error('SCHEMA ' .. values[1]) end
   local out = {}
@@ -281,7 +294,7 @@ local function check_types(checks)
       if string.find(text, 'WRONGTYPE', 1, true) then
         return acc_error('BADTYPE ' .. key .. ' ' .. checks[i + 1])
       end
-      return redis.error_reply(text)  -- (a NOPERM, as the call itself would have raised)
+      return refused(probe[1], key, r.err)
     end
   end
   return nil

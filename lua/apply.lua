@@ -57,18 +57,40 @@ if err then
   drop_payload()
   return err
 end
+-- Refused before it could be judged (the ACL, a foreign value under one of its keys): its own
+-- payload goes too, where this user may (a retrying worker would otherwise pile up a
+-- gradient per try, each kept for an hour): its keys deleted, spread parts made garbage due
+-- now (the next apply's sweep deletes them). Not the payload of a retry of an apply that was
+-- counted (the ACL changed in between): the round holds it.
+local function refuse_dropping(refusal)
+  local allowed = redis.acl_check_cmd or function() return true end
+  if inline or not allowed('GET', dedup) then return refusal end
+  local prev = redis.pcall('GET', dedup)
+  if type(prev) == 'table' or (prev and string.match(prev, '^(%d+)') == seq) then
+    return refusal
+  end
+  if spread then
+    -- (registered, in a zset: then neither write below can fail)
+    local mark = redis.pcall('ZSCORE', orphans, entry)
+    if type(mark) == 'string' and allowed('ZREM', orphans) and allowed('ZADD', orphans)
+        and allowed('TIME') then
+      local due = now_ms()
+      redis.call('ZREM', orphans, entry)
+      discard_spread(base, orphans, {entry}, due)
+    end
+  elseif #payload_keys > 0 and allowed('UNLINK', payload_keys[1]) then
+    unlink_all(payload_keys)
+  end
+  return refusal
+end
 err = check_acl({{'GET', dedup}, {'SET', dedup}, {'UNLINK', blob}, {'HSET', state},
   {'HINCRBY', state}, {'RPUSH', grads}, {'PEXPIRE', state}, {'PERSIST', blob},
   {'ZRANGE', KEYS[4]}, {'HGET', KEYS[5]}, {'RPUSH', KEYS[6]}, {'LTRIM', KEYS[6]},
   {'ZSCORE', orphans}, {'ZREM', orphans}, {'ZADD', orphans}})
-if err then return err end
+if err then return refuse_dropping(err) end
 err = check_types({grads, 'list', dedup, 'string', KEYS[4], 'zset', KEYS[5], 'hash',
   KEYS[6], 'list', orphans, 'zset'})
-if err then
-  -- its own payload key goes; spread parts stay registered, for a sweeper once that runs out
-  if #payload_keys > 0 then unlink_all(payload_keys) end
-  return err
-end
+if err then return refuse_dropping(err) end  -- (a foreign value, or a refused probe)
 local step, count = st.step, tonumber(st.count)
 
 -- A retry of an apply this client already made (the reply was lost) is answered again, not
@@ -105,13 +127,13 @@ if summing then
   if type(probe) == 'table' and probe.err then
     -- a user without +acc.ping is told so (Redis's text: "... can't run this command ...")
     if string.find(probe.err, 'NOPERM', 1, true) or string.find(probe.err, "can't run", 1, true) then
-      return acc_error('NOPERM ACC.PING -')
+      return refuse_dropping(acc_error('NOPERM ACC.PING -'))
     end
     drop_payload()
     return acc_error('NOMODULE')
   end
   err = check_acl({{'ACC.ADD', blob}, {'LSET', grads}, {'LINDEX', grads}})
-  if err then return err end
+  if err then return refuse_dropping(err) end
   if count > 0 then
     local head = redis.call('LINDEX', grads, 0)
     if head and string.sub(head, 1, 1) == 's' then

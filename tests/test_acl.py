@@ -135,21 +135,73 @@ def test_a_take_missing_a_permission_fails_before_claiming(acl, real, command):
     np.testing.assert_array_equal(acc.take_grad(1, timeout=5), np.ones((64, 1024)))
 
 
-@pytest.mark.parametrize("command", ["rpush", "hincrby", "persist", "ltrim"])
-def test_an_apply_missing_a_permission_fails_before_writing(acl, real, command):
-    acc = accumulator.ConditionalAccumulator(np.float32, SHAPE, shared_name="p", client=real.url)
+@pytest.mark.parametrize("shape", [SHAPE, (64, 1024)], ids=["inline", "payload key"])
+@pytest.mark.parametrize("command", ["rpush", "hincrby", "persist", "ltrim", "strlen", "lrange",
+                                     "zcard"])  # fmt: skip
+def test_an_apply_missing_a_permission_fails_before_writing(acl, real, command, shape):
+    """Refused before its first write, naming the command (also a read the script makes
+    before its permission checks); a payload the apply had stored is deleted with it (a
+    retrying worker would pile one up per try)."""
+    acc = accumulator.ConditionalAccumulator(np.float32, shape, shared_name="p", client=real.url)
     worker = accumulator.ConditionalAccumulator(
-        np.float32, SHAPE, shared_name="p", client=acl("worker", _without("worker", command))
+        np.float32, shape, shared_name="p", client=acl("worker", _without("worker", command))
     )
     r = real.redis()
     before = {k: r.type(k) for k in r.scan_iter("acc:*")}
     state = r.hgetall(acc._keys.state)
     with pytest.raises(accumulator.PermissionDeniedError, match=command.upper()):
-        worker.apply_grad(np.ones(SHAPE))
-    assert {k: r.type(k) for k in r.scan_iter("acc:*")} == before
+        worker.apply_grad(np.ones(shape))
+    after = {k: r.type(k) for k in r.scan_iter("acc:*")}
+    if after != before:  # parts in other slots, written: garbage, due now
+        garbage = r.zrange(acc._keys.orphans, 0, -1)
+        assert acc.spreads_parts and garbage and all(m.startswith(b"x") for m in garbage)
     assert r.hgetall(acc._keys.state) == state
     # the same apply, retried once allowed, counts once: the refusal left no dedup record
-    assert acc.apply_grad(np.ones(SHAPE)) and acc.num_accumulated() == 1
+    assert acc.apply_grad(np.ones(shape)) and acc.num_accumulated() == 1
+    acc.take_grad(1)
+    assert not [k for k in r.scan_iter("acc:*") if b":b:" in k]  # no payload left anywhere
+
+
+@pytest.mark.parametrize("command", ["hget", "hmget"])
+def test_opening_without_a_read_it_needs_names_it(acl, real, command):
+    accumulator.ConditionalAccumulator(np.float32, SHAPE, shared_name="o", client=real.url)
+    url = acl("worker", _without("worker", command))
+    with pytest.raises(accumulator.PermissionDeniedError, match=rf"may not run {command.upper()}"):
+        accumulator.ConditionalAccumulator(np.float32, SHAPE, shared_name="o", client=url)
+
+
+def test_deleting_without_transactions_deletes_nothing(acl, real):
+    """redis-py sends a transaction's MULTI and commands in one go: a user refused MULTI
+    would have the deletes run one by one, outside it, and only EXEC fail."""
+    r = real.redis()
+    for name in ("a", "b"):
+        acc = accumulator.ConditionalAccumulator(np.float32, (64, 1024), shared_name=name,
+                                                 client=real.url)  # fmt: skip
+        acc.apply_grad(np.ones((64, 1024)))
+    before = sorted(r.scan_iter("acc:*"))
+    worker = acl("worker")  # applies and takes: no MULTI
+    for delete in (lambda: accumulator.reset_container("", client=worker),
+                   lambda: accumulator.delete_accumulator("a", client=worker)):  # fmt: skip
+        with pytest.raises(accumulator.PermissionDeniedError, match="(?i)multi"):
+            delete()
+        assert sorted(r.scan_iter("acc:*")) == before
+    out, err = io.StringIO(), io.StringIO()
+    assert _cli.main(["--url", worker, "delete", "a", "--yes"], stdout=out, stderr=err) == 4
+    assert "multi" in err.getvalue().lower() and sorted(r.scan_iter("acc:*")) == before
+    viewer = acl("viewer")  # transactions, but no deletes: refused as ours, not redis-py's
+    with pytest.raises(accumulator.PermissionDeniedError, match="UNLINK"):
+        accumulator.delete_accumulator("a", client=viewer)
+    assert sorted(r.scan_iter("acc:*")) == before
+
+
+def test_the_sync_helper_without_its_keys_is_refused_as_ours(acl):
+    url = acl("worker")  # no accsync:* keys
+    with pytest.raises(accumulator.PermissionDeniedError, match="accsync"):
+        ParameterServer("job", replicas_to_aggregate=1, client=url).initialize(
+            {"w": np.zeros(2, np.float32)}
+        )
+    with pytest.raises(accumulator.PermissionDeniedError, match="accsync"):
+        Worker("job", client=url).pull(timeout=1)
 
 
 def test_script_load_refused_is_fine_while_the_scripts_are_loaded(acl, real):

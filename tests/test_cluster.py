@@ -97,6 +97,16 @@ def test_functions_and_a_private_accumulator(client, cluster):
     assert accumulator.list_accumulators(client=client) == []
 
 
+def test_sum_in_redis_is_refused_on_a_cluster_and_not_probed_for(client):
+    """The accsum module is not used on a cluster (yet): asking for it says so (not that the
+    server lacks the module), and by default the taker sums."""
+    with pytest.raises(accumulator.InvalidArgumentError, match="not used on a Redis Cluster"):
+        accumulator.ConditionalAccumulator(np.float32, (4,), shared_name="m", client=client,
+                                           sum_in_redis=True)  # fmt: skip
+    acc = accumulator.ConditionalAccumulator(np.float32, (4,), shared_name="m", client=client)
+    assert not acc.sums_in_redis
+
+
 def test_the_cli_lists_every_primary(cluster, capsys):
     cluster.client().flushall()
     for name in ("a", "b", "c", "d"):

@@ -3,6 +3,7 @@ input refused without a change (fuzzed), the choice of path, and a sanitizer bui
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import subprocess
@@ -223,11 +224,17 @@ def test_keys_read_fold_entries_as_the_scripts_do():
         assert keys.entry_keys(bad + (blob if bad.endswith(b" ") else b"")) is None, bad
 
 
-def test_a_later_opener_follows_the_stored_path(module_url, mod):
+def test_a_later_opener_follows_the_stored_path(module_url, mod, caplog):
     first = make(module_url, sum_in_redis=False)
     assert not first.sums_in_redis and not make(module_url).sums_in_redis
     other = make(module_url, "other")
-    assert other.sums_in_redis and make(module_url, "other", sum_in_redis=False).sums_in_redis
+    with caplog.at_level(logging.WARNING, logger="accumulator"):
+        assert make(module_url, "other", sum_in_redis=False).sums_in_redis
+        assert not make(module_url, sum_in_redis=True).sums_in_redis
+    # either way round, the opener that asked otherwise is told
+    said = [r.getMessage() for r in caplog.records if "applies only when" in r.getMessage()]
+    assert len(said) == 2 and "sums in Redis" in said[0] and "on the taker" in said[1]
+    assert other.sums_in_redis
 
 
 def test_types_the_module_does_not_add_stay_on_the_plain_path(module_url):
@@ -359,6 +366,14 @@ def test_the_build_is_cached_and_needs_only_a_compiler(tmp_path, monkeypatch):
     monkeypatch.delenv("CC", raising=False)
     assert shutil.which("cc") is None
     assert _module.build(out_dir=tmp_path / "other") is None
+    # without a compiler, a build of this very source made before is found (an image whose
+    # build stage compiled it); not the sanitizer's, and not one of another source
+    assert _module.build(out_dir=tmp_path) == first
+    assert _module.build(out_dir=tmp_path, sanitize=True) is None
+    stale = tmp_path / "stale"
+    stale.mkdir()
+    (stale / "accsum-000000000000-111111111111.so").write_bytes(b"")
+    assert _module.build(out_dir=stale) is None
 
 
 def test_the_cli_builds_the_module_and_prints_its_path(capsys):

@@ -18,7 +18,7 @@ from redis.exceptions import NoScriptError, ResponseError
 
 from .. import _admin, _chunks, _retry, _scripts
 from .._codec import scalar_int
-from .._connection import Client, is_cluster
+from .._connection import Client, is_cluster, require_transactions
 from .._errors import DeadlineExceededError, InvalidArgumentError, NotFoundError
 from .._keys import Keys, is_done_mark
 from .._requests import Call
@@ -178,6 +178,9 @@ class ParameterServer(_Job):
         held = self._lease.held
         self._lease.acquire(wait_for_chief)
         try:
+            # publishing is a transaction: a user without MULTI would publish half of one
+            self._io("check permissions", lambda: require_transactions(self.redis,
+                                                                       self.keys.params))
             # read again under the lease: another chief may have moved on meanwhile
             published = self._read_published() if resume else None
             if published is not None:
