@@ -230,7 +230,22 @@ class Context:
         client.auto_close_connection_pool = True  # close() ends the pool's connections too
         client.ping()  # errors are mapped by main()
         self._client = client
+        self._note_cluster_node(client)
         return client
+
+    def _note_cluster_node(self, client: redis.Redis) -> None:
+        """A plain URL of a cluster node reaches that node alone: say so once (its commands
+        would list, or find, only what that node's slots hold)."""
+        try:
+            enabled = client.info("cluster").get("cluster_enabled")
+        except Exception:  # noqa: BLE001 - no INFO for this user, a double without it
+            return
+        if enabled == 1:
+            self.err.write(
+                f"accumulator: note: {self.shown_url} is a node of a Redis Cluster: a plain URL "
+                "reaches that node alone (its own slots' accumulators); use redis+cluster:// "
+                "for the cluster\n"
+            )
 
     def close(self) -> None:
         if self._client is not None:

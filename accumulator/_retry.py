@@ -23,6 +23,7 @@ from typing import TypeVar
 
 import redis
 from redis.exceptions import (
+    AskError,
     AuthenticationError,
     AuthorizationError,
     ClusterDownError,
@@ -152,6 +153,8 @@ def call(
             time.sleep(_next_wait(backoff, exc, what, give_up, began))
         except NoPermissionError as exc:  # redis-py's, of a plain command or pipeline
             raise permission_denied(str(exc)) from exc
+        except AskError as exc:  # (cluster clients follow redirects: this one is plain)
+            raise _not_the_cluster(what, exc) from exc
 
 
 async def acall(
@@ -171,6 +174,17 @@ async def acall(
             await asyncio.sleep(_next_wait(backoff, exc, what, give_up, began))
         except NoPermissionError as exc:
             raise permission_denied(str(exc)) from exc
+        except AskError as exc:
+            raise _not_the_cluster(what, exc) from exc
+
+
+def _not_the_cluster(what: str, exc: BaseException) -> InvalidArgumentError:
+    """A plain client of one node of a Redis Cluster was redirected (MOVED/ASK)."""
+    return InvalidArgumentError(
+        f"{what}: the server is a node of a Redis Cluster that does not serve this key's slot "
+        f"({exc}): connect with a redis+cluster:// URL (or a redis.cluster.RedisCluster "
+        "client), not a plain URL of one node"
+    )
 
 
 def failed_to_connect(exc: BaseException) -> bool:

@@ -107,6 +107,28 @@ def test_sum_in_redis_is_refused_on_a_cluster_and_not_probed_for(client):
     assert not acc.sums_in_redis
 
 
+def test_a_plain_url_of_one_node_is_told_to_use_the_cluster(cluster, capsys):
+    """A plain URL reaches one node: an accumulator of another node's slot is refused as
+    such (redis-py raised its MovedError), and the CLI notes that it sees one node."""
+    from accumulator import _cli
+
+    cluster.client().flushall()
+    served = refused = 0
+    for name in "abcdefgh":
+        try:
+            accumulator.ConditionalAccumulator(np.float32, (2,), shared_name=name,
+                                               client=cluster.url)  # fmt: skip
+            served += 1
+        except accumulator.InvalidArgumentError as exc:
+            assert "redis+cluster://" in str(exc)
+            refused += 1
+    assert served and refused
+    assert _cli.main(["ls", "--url", cluster.url]) == 0
+    assert "node of a Redis Cluster" in capsys.readouterr().err
+    assert _cli.main(["ls", "--url", cluster.cluster_url]) == 0
+    assert "node of a Redis Cluster" not in capsys.readouterr().err
+
+
 def test_the_cli_lists_every_primary(cluster, capsys):
     cluster.client().flushall()
     for name in ("a", "b", "c", "d"):
