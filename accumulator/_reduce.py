@@ -104,9 +104,9 @@ def _all_abs_at_least(x: np.ndarray, bound: np.generic) -> bool:
     as zero, so any doubt answers False."""
     flat = x.reshape(-1)
     for start in range(0, flat.size, 32768):
-        # fmin skips NaN (min would return NaN, and a NaN compares False: it would hide a
-        # subnormal of the same block)
-        if np.fmin.reduce(np.abs(flat[start : start + 32768])) < bound:
+        # fmin skips a quiet NaN (min would return it, and a NaN compares False: it would hide
+        # a subnormal of the same block); a signaling NaN it may return: "not >=" is a doubt
+        if not np.fmin.reduce(np.abs(flat[start : start + 32768])) >= bound:
             return False
     return True
 

@@ -661,3 +661,28 @@ def test_a_subnormal_in_the_last_gradient_alone_still_flushes(elements):
     grads[3][-1] = 0  # without it nothing is small: the plain sum
     reduce_into(out, grads, "SUM")
     assert out[-1] == 0
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_a_signaling_nan_does_not_hide_a_small_value(dtype):
+    """The quick look for small values skips NaNs; a *signaling* NaN (a quiet one's bits with
+    the quiet bit clear) can come back from it instead, and hid the value that needed
+    flushing (found by hypothesis: a sum kept in Redis of [.., 2**-125, sNaN] / 3 kept the
+    subnormal quotient)."""
+    dt = np.dtype(dtype)
+    utype = np.uint32 if dt.itemsize == 4 else np.uint64
+    snan = np.array([0x7F810000 if dt.itemsize == 4 else 0x7FF0100000000000], utype).view(dt)
+    tiny = np.finfo(dt).tiny
+    sub = np.finfo(dt).smallest_subnormal
+    with np.errstate(all="ignore"):
+        # a normal value whose third is subnormal: the mean of a sum of 3 kept in Redis
+        x = np.array([0.0, 2 * tiny, snan[0]], dt)
+        out = np.empty_like(x)
+        reduce_into(out, [x], "MEAN", count=3)
+        assert out[1] == 0 and np.isnan(out[2])
+        # a subnormal input is read as zero (DAZ) in a sum: tiny + sub gives tiny
+        a = np.array([sub, snan[0]], dt)
+        b = np.array([tiny, 0.0], dt)
+        got = dense_reduce([a, b], dt, "SUM")
+        assert got[0] == tiny and np.isnan(got[1])
+        assert _reduce._has_small(np.array([sub, snan[0]], dt), dt)
