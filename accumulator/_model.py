@@ -25,7 +25,6 @@ from ._errors import (
     CancelledError,
     InvalidArgumentError,
     NotFoundError,
-    PermissionDeniedError,
     UnavailableError,
 )
 from ._keys import SCHEMA_VERSION, SPREAD_SCHEMA, Keys
@@ -403,10 +402,8 @@ def _check_durability(durability: Durability | None) -> Ops[None]:
             # a replica refuses WAIT: a Sentinel-managed client reached the old primary in
             # a failover (the server can; the next write finds the new primary)
             return
-        if isinstance(exc, PermissionDeniedError):  # the user's ACL, not the server: say so
-            raise
-        if _scripts.is_no_permission(exc):
-            raise _scripts.translate(exc) from exc
+        if _scripts.is_no_permission(exc):  # the user's ACL, not the server: say so
+            _scripts.raise_translated(exc)  # (ours already, or redis-py's made ours)
         raise UnavailableError(
             f"{durability.describe()}: the Redis server cannot confirm writes that way "
             f"({probe[0]} failed: {exc})"

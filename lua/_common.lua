@@ -7,15 +7,18 @@ local function acc_error(what)
   return redis.error_reply('ACCERR ' .. what)
 end
 
+-- Whether a redis.pcall error is a refusal by the ACL (a script's "can't run this command").
+local function is_refusal(err)
+  local text = tostring(err)  -- (a string; fakeredis's Lua gives a userdata)
+  return string.find(text, "can't run", 1, true) or string.find(text, 'NOPERM', 1, true)
+    or string.find(text, 'no permissions', 1, true)
+end
+
 -- The error reply for a read that failed (redis.pcall's error): a refusal by the ACL says
 -- which command and key (Redis's own text does not), anything else as it is.
 local function refused(command, key, err)
-  local text = tostring(err)  -- (a string; fakeredis's Lua gives a userdata)
-  if string.find(text, "can't run", 1, true) or string.find(text, 'NOPERM', 1, true)
-      or string.find(text, 'no permissions', 1, true) then
-    return acc_error('NOPERM ' .. command .. ' ' .. key)
-  end
-  return redis.error_reply(text)
+  if is_refusal(err) then return acc_error('NOPERM ' .. command .. ' ' .. key) end
+  return redis.error_reply(tostring(err))
 end
 
 -- nil when the state hash exists with the schema this client speaks, else an error reply.

@@ -126,7 +126,7 @@ if summing then
   local probe = redis.pcall('ACC.PING')
   if type(probe) == 'table' and probe.err then
     -- a user without +acc.ping is told so (Redis's text: "... can't run this command ...")
-    if string.find(probe.err, 'NOPERM', 1, true) or string.find(probe.err, "can't run", 1, true) then
+    if is_refusal(probe.err) then
       return refuse_dropping(acc_error('NOPERM ACC.PING -'))
     end
     drop_payload()
