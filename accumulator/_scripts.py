@@ -265,6 +265,11 @@ def translate(exc: Exception, state_key: str | bytes | None = None) -> Exception
             "keeps there (a foreign write in its namespace); nothing was changed. Delete that "
             "key, or the accumulator (`accumulator delete`)"
         )
+    if what == "BADSTATE":
+        return AccumulatorError(
+            f"{' '.join(words[1:])} (a foreign write in the accumulator's namespace); nothing was "
+            "changed"
+        )
     if what in ("BADARG", "BADKEY"):
         return InvalidArgumentError(f"the accumulator script refused its input ({text[idx:]})")
     return AccumulatorError(text[idx:])

@@ -21,21 +21,43 @@ local err = check_acl({{'HMGET', KEYS[1]}, {'HSET', KEYS[1]}, {'HINCRBY', KEYS[1
 if err then return err end
 local p = 'w:' .. ARGV[1] .. ':'
 
--- add `by` to the counters of a push counted as `outcome`
-local function add(outcome, by)
-  if outcome == 'none' then return end
-  redis.call('HINCRBY', KEYS[1], 'pushes', by)
-  redis.call('HINCRBY', KEYS[1], p .. 'pushes', by)
+-- the counters a push counted as `outcome` adds to
+local function counters(outcome, into)
+  if outcome == 'none' then return into end
+  into[#into + 1] = 'pushes'
+  into[#into + 1] = p .. 'pushes'
   if outcome ~= '' then
-    redis.call('HINCRBY', KEYS[1], outcome, by)
-    redis.call('HINCRBY', KEYS[1], p .. outcome, by)
+    into[#into + 1] = outcome
+    into[#into + 1] = p .. outcome
+  end
+  return into
+end
+
+local function add(outcome, by)
+  for _, field in ipairs(counters(outcome, {})) do
+    redis.call('HINCRBY', KEYS[1], field, by)
   end
 end
 
 local last = redis.call('HMGET', KEYS[1], p .. 'push', p .. 'push_as')
+local was = nil
 if last[1] == ARGV[2] then
-  local was = last[2] or ''
+  was = last[2] or ''
   if was == what then return 0 end
+end
+-- every counter this call changes holds an integer (or nothing yet): HINCRBY cannot fail
+-- half-way through
+local touched = counters(what, was and counters(was, {}) or {})
+if #touched > 0 then
+  local values = redis.call('HMGET', KEYS[1], unpack(touched))
+  for i = 1, #touched do
+    local v = values[i]
+    if v and not (string.find(v, '^%-?%d+$') and #v < 19) then
+      return acc_error('BADSTATE sync stats field ' .. touched[i] .. ' is not a count')
+    end
+  end
+end
+if was then
   add(was, -1)
   add(what, 1)
   redis.call('HSET', KEYS[1], p .. 'push_as', what)

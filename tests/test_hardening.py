@@ -485,6 +485,40 @@ def test_the_push_count_refuses_garbage_before_any_write(target, case):
     assert snapshot(r) == before
 
 
+@pytest.mark.parametrize("push", ["00ff", "0100"])
+@pytest.mark.parametrize("outcome", ["", "stale", "none"])
+@pytest.mark.parametrize("field", ["pushes", "w:w0:pushes", "stale", "w:w0:stale"])
+def test_the_push_count_refuses_a_foreign_counter_before_any_write(target, field, outcome, push):
+    """A counter a push would change that holds something else than a count (a foreign write)
+    is refused before the push is recorded: HINCRBY would fail after the script's first write.
+    Push 00ff was counted as 'stale' before (a call with it amends that count); 0100 is new."""
+    from accumulator._keys import SyncKeys
+
+    def counters(what: str) -> set[str]:
+        return set() if what == "none" else {"pushes", "w:w0:pushes"} | (
+            {what, f"w:w0:{what}"} if what else set())  # fmt: skip
+
+    k = SyncKeys("", "garbage")
+    r = target.redis()
+    r.hset(k.stats, mapping={"pushes": 1, "stale": 1, "w:w0:pushes": 1, "w:w0:stale": 1,
+                             "w:w0:push": "00ff", "w:w0:push_as": "stale"})  # fmt: skip
+    r.hset(k.stats, field, "many")
+    before = snapshot(r)
+    amends = push == "00ff"
+    if amends and outcome == "stale":
+        touched: set[str] = set()  # counted so already
+    else:
+        touched = counters(outcome) | (counters("stale") if amends else set())
+    if field not in touched:
+        expected = 0 if amends and outcome == "stale" else 2 if amends else 1
+        assert int(_scripts.call(r, "sync_count", [k.stats], ["w0", push, outcome])) == expected
+        assert r.hget(k.stats, field) == b"many"
+        return
+    with pytest.raises(accumulator.AccumulatorError, match=f"field {field} is not a count"):
+        _scripts.call(r, "sync_count", [k.stats], ["w0", push, outcome])
+    assert snapshot(r) == before
+
+
 @pytest.mark.parametrize(
     "case",
     ["params key", "foreign part", "part count", "stale count", "channel", "odd fields",
