@@ -82,7 +82,6 @@ from ._cli_context import (
     command,
     esc,
 )
-from ._connection import default_url
 from ._errors import (
     AccumulatorError,
     InvalidArgumentError,
@@ -91,6 +90,7 @@ from ._errors import (
     SchemaVersionError,
 )
 from ._redact import scrub, url_secrets
+from ._urls import default_url
 
 __all__ = [
     "AUTH_ENV",

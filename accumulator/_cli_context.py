@@ -20,14 +20,9 @@ from redis.cluster import RedisCluster
 from redis.connection import SSLConnection, UnixDomainSocketConnection, parse_url
 from redis.retry import Retry
 
-from ._connection import (
-    TLSConnection,
-    cluster_url,
-    new_cluster,
-    scheme_problem,
-    sentinel_client,
-)
+from ._connection import TLSConnection, new_cluster, sentinel_client
 from ._redact import redact_url, url_secrets
+from ._urls import cluster_url, scheme_problem
 
 EXIT_OK = 0
 EXIT_NOT_FOUND = 1

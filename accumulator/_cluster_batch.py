@@ -14,7 +14,8 @@ from typing import Any
 
 import redis
 
-from ._connection import (
+from ._requests import Batch
+from ._routing import (
     by_node,
     join_by_node,
     moved_error,
@@ -22,7 +23,6 @@ from ._connection import (
     routing_keys,
     split_by_node,
 )
-from ._requests import Batch
 
 
 def per_node(client: Any, request: Batch, cluster: bool) -> list[Any]:

@@ -1,17 +1,15 @@
 """Redis connections: explicit timeouts and retries, a packer that does not copy big values,
-and a separate pool for blocking waits."""
+and a separate pool for blocking waits. (URLs and their settings: ``_urls``; routing on a
+cluster: ``_routing``.)"""
 
 from __future__ import annotations
 
 import hashlib
 import inspect
-import os
-import re
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeAlias, cast
-from urllib.parse import urlsplit
 
 import redis
 from redis.backoff import ExponentialWithJitterBackoff
@@ -24,25 +22,22 @@ from redis.retry import Retry
 from redis.sentinel import SentinelConnectionPool
 
 from . import _retry as retrying
-from ._errors import InvalidArgumentError, PermissionDeniedError
-from ._redact import redact_url
+from ._errors import PermissionDeniedError
 from ._retry import RETRY_WINDOW
-
-DEFAULT_URL = "redis://localhost:6379/0"
+from ._urls import (
+    CONNECT_TIMEOUT,
+    SOCKET_TIMEOUT,
+    check_url,
+    cluster_url,
+    default_url,
+    sentinel_parts,
+    url_options,
+)
 
 #: Seconds one blocking wait (BLPOP) lasts before the taker re-checks and renews its lease.
 WAIT_SLICE = 2.0
-#: Socket timeout for ordinary commands. Large gradients must be *sent* within it
-#: (``sendall`` is covered by the timeout as a whole): 64 MiB takes ~0.2 s on loopback.
-SOCKET_TIMEOUT = 30.0
-CONNECT_TIMEOUT = 5.0
 #: Above this size an argument is sent as its own buffer (no copy into one command buffer).
 _BIG_ARG = 64 * 1024
-
-
-def default_url() -> str:
-    """``ACCUMULATOR_REDIS_URL``, then ``REDIS_URL``, then ``redis://localhost:6379/0``."""
-    return os.environ.get("ACCUMULATOR_REDIS_URL") or os.environ.get("REDIS_URL") or DEFAULT_URL
 
 
 def _retry() -> Retry:
@@ -279,20 +274,6 @@ def _is_valkey(client: object) -> bool:
     return kind.__module__.split(".")[0] == "valkey" and kind.__name__ in ("Valkey", "StrictValkey")
 
 
-def url_options(url: str) -> dict[str, Any]:
-    """The client settings of a URL's connections (the sync and asyncio clients add their
-    own ``retry``): timeouts, keepalive on TCP, retries on connection faults, health checks."""
-    tcp = not url.startswith("unix:")
-    return dict(
-        socket_timeout=SOCKET_TIMEOUT,
-        socket_connect_timeout=CONNECT_TIMEOUT,
-        # keepalive is a TCP option (a unix socket connection refuses the argument)
-        **({"socket_keepalive": True} if tcp else {}),
-        retry_on_error=[RedisConnectionError, RedisTimeoutError],
-        health_check_interval=30,
-    )
-
-
 class TLSConnection(redis.SSLConnection):
     """redis-py's TLS connection, its handshake bounded by the connect timeout: redis-py runs
     it under the command timeout (30 s here), which a TLS client of a plain server (one that
@@ -372,126 +353,6 @@ def connect(client: Client, retry_window: float = RETRY_WINDOW) -> Connections:
 Client: TypeAlias = "redis.Redis | RedisCluster | str | None"
 
 
-def is_cluster(client: Any) -> bool:
-    """Whether a client talks to a Redis Cluster (``redis.cluster.RedisCluster``)."""
-    return isinstance(client, RedisCluster)
-
-
-def is_redirect(reply: Exception) -> bool:
-    """Whether an error reply means "not here, not now" on a cluster: MOVED, ASK, TRYAGAIN,
-    CLUSTERDOWN (redis-py parses some into their own classes; the text covers the rest)."""
-    if isinstance(reply, (redis.exceptions.MovedError, redis.exceptions.AskError,
-                          redis.exceptions.TryAgainError,
-                          redis.exceptions.ClusterDownError)):  # fmt: skip
-        return True
-    return str(reply).split(" ", 1)[0] in ("MOVED", "ASK", "TRYAGAIN", "CLUSTERDOWN")
-
-
-def by_node(client: Any, keys: Sequence[str | bytes]) -> dict[str, tuple[Any, list[int]]]:
-    """On a cluster client (sync or asyncio, slot map loaded): node name -> (the primary
-    serving some of ``keys``, the indices of those keys), from the client's slot map."""
-    nodes: dict[str, tuple[Any, list[int]]] = {}
-    for i, key in enumerate(keys):
-        node = client.nodes_manager.get_node_from_slot(client.keyslot(key))
-        nodes.setdefault(node.name, (node, []))[1].append(i)
-    return nodes
-
-
-def command_key(command: Sequence[Any]) -> str | bytes | None:
-    """The key a command is routed by on a cluster: an EVALSHA's first key, another
-    command's first argument; None for a script call without keys."""
-    name = str(command[0]).upper()
-    if name in ("EVALSHA", "EVAL"):
-        return command[3] if int(command[2]) > 0 else None
-    return command[1] if len(command) > 1 else None
-
-
-def routing_keys(commands: Sequence[Sequence[Any]]) -> list[str | bytes] | None:
-    """Each command's :func:`command_key`; None when one has none."""
-    keys = [command_key(command) for command in commands]
-    return None if any(key is None for key in keys) else cast("list[str | bytes]", keys)
-
-
-def split_by_node(client: Any, request: Any) -> list[tuple[Any, list[int], Any]]:
-    """A ``_requests.Batch`` with a ``tail``, for a cluster client: per node its commands'
-    keys go to, (the node, the indices of its commands, a batch of those commands then the
-    tail, replies unraised)."""
-    from dataclasses import replace
-
-    keys = routing_keys(request.commands)
-    if keys is None:
-        raise ValueError(f"{request.what}: a command without a key cannot be routed by node")
-    groups = by_node(client, keys).values()
-    return [
-        (node, indices, replace(request, commands=[*(request.commands[i] for i in indices),
-                                                   request.tail], raise_on_error=False, tail=None))
-        for node, indices in groups
-    ]  # fmt: skip
-
-
-def join_by_node(request: Any, done: list[tuple[list[int], list[Any]]]) -> list[Any]:
-    """The replies of a batch with a ``tail`` sent in parts (each: the indices of its
-    commands, their replies then the tail's): the commands' replies in order (the first error
-    raised, if the batch says so), then the list of the tails' replies."""
-    out: list[Any] = [None] * len(request.commands)
-    tails = []
-    for indices, replies in done:
-        tails.append(replies[-1])
-        for i, reply in zip(indices, replies[:-1], strict=True):
-            out[i] = reply
-    return [*(raise_first_error(out) if request.raise_on_error else out), tails]
-
-
-def moved_error(what: str, replies: list[Any]) -> redis.ConnectionError | None:
-    """For a batch sent to one node of a cluster: the transient error to raise (after
-    refreshing the slot map) when a reply is a redirect, else None."""
-    for reply in replies:
-        if isinstance(reply, redis.ResponseError) and is_redirect(reply):
-            return redis.ConnectionError(f"{what}: the slot moved ({reply}); sending again")
-    return None
-
-
-def raise_first_error(replies: list[Any]) -> list[Any]:
-    """The replies, or the first error among them raised."""
-    for reply in replies:
-        if isinstance(reply, Exception):
-            raise reply
-    return replies
-
-
-#: The URL schemes ``client=`` (and the CLI's ``--url``) take.
-URL_SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://",
-               "redis+sentinel://")  # fmt: skip
-
-
-def scheme_problem(url: str) -> str | None:
-    """What is wrong with a URL's scheme (redis-py's own error lists only its three), or with
-    the database of a ``redis://``/``rediss://`` URL (redis-py takes ``/abc`` for db 0); None
-    when nothing is."""
-    if not url.startswith(URL_SCHEMES):
-        return f"it must start with one of {', '.join(URL_SCHEMES)}"
-    if url.startswith(("redis://", "rediss://")):
-        path = urlsplit(url).path
-        if path.strip("/") and not re.fullmatch(r"[0-9]+", path.strip("/")):
-            return f"its path must be a database number (/0, /1, ...), not {path!r}"
-    return None
-
-
-def check_url(url: str) -> None:
-    """:class:`InvalidArgumentError` for a URL of a scheme we do not connect to."""
-    problem = scheme_problem(url)
-    if problem is not None:
-        raise InvalidArgumentError(f"unsupported Redis URL {redact_url(url)!r}: {problem}")
-
-
-def cluster_url(url: str) -> str | None:
-    """The plain URL of a ``redis+cluster://`` (``rediss+cluster://``) one, else None."""
-    for scheme in ("redis+cluster://", "rediss+cluster://"):
-        if url.startswith(scheme):
-            return scheme.replace("+cluster", "") + url[len(scheme) :]
-    return None
-
-
 def new_cluster(make: Callable[[], RedisCluster]) -> RedisCluster:
     """``make()``, a cluster client's constructor (which connects, to learn the nodes), its
     failure said our way (:func:`~accumulator._retry.cluster_error`: no node reachable is a
@@ -549,39 +410,6 @@ def _zero_copy_nodes(client: RedisCluster) -> RedisCluster:
             pool.disconnect()
             pool.reset()
     return client
-
-
-def sentinel_parts(url: str) -> tuple[list[tuple[str, int]], str, dict[str, Any]] | None:
-    """What a ``redis+sentinel://[user:password@]host:port[,host:port...]/service[/db]`` URL
-    names: the Sentinels' addresses, the name they know the primary by, and the primary's
-    client options (db, user and password, our timeouts); None for another URL. No I/O: the
-    synchronous and the asyncio ``master_for`` are built from it."""
-    scheme = "redis+sentinel://"
-    if not url.startswith(scheme):
-        return None
-    from urllib.parse import unquote
-
-    rest = url[len(scheme) :]
-    auth, _, rest = rest.rpartition("@")
-    hosts, _, path = rest.partition("/")
-    parts = [p for p in path.split("/") if p]
-    if not hosts or not parts or len(parts) > 2 or (len(parts) == 2 and not parts[1].isdigit()):
-        raise ValueError("a Sentinel URL is redis+sentinel://host:port[,host:port...]/service[/db]")
-    addresses = []
-    for host in hosts.split(","):
-        name, _, port = host.rpartition(":")
-        if not name or not port.isdigit():
-            raise ValueError(f"a Sentinel address must be host:port, not {host!r}")
-        addresses.append((name, int(port)))
-    user, _, password = auth.partition(":") if ":" in auth else ("", "", auth)
-    options: dict[str, Any] = {"db": int(parts[1]) if len(parts) == 2 else 0,
-                               "socket_timeout": SOCKET_TIMEOUT,
-                               "socket_connect_timeout": CONNECT_TIMEOUT}  # fmt: skip
-    if user:
-        options["username"] = unquote(user)
-    if password:
-        options["password"] = unquote(password)
-    return addresses, unquote(parts[0]), options
 
 
 def sentinel_client(url: str) -> redis.Redis | None:

@@ -20,14 +20,7 @@ from redis.exceptions import NoScriptError, ResponseError
 
 from . import _protocol, _retry, _scripts
 from ._cluster_batch import by_node_batch, each, is_script, on_node, per_node
-from ._connection import (
-    Client,
-    Connections,
-    connect,
-    is_cluster,
-    is_redirect,
-    moved_error,
-)
+from ._connection import Client, Connections, connect
 from ._direct import execute_batch, pooled
 from ._errors import CancelledError
 from ._keys import SCHEMA_VERSION, Keys
@@ -46,6 +39,7 @@ from ._requests import (
     Unsubscribe,
     advance,
 )
+from ._routing import is_cluster, is_redirect, moved_error
 from ._wire import get_all_into, get_into
 
 logger = logging.getLogger("accumulator")

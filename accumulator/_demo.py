@@ -510,7 +510,7 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     try:
         with contextlib.ExitStack() as stack:
             if args.role == "worker":
-                from ._connection import default_url
+                from ._urls import default_url
 
                 slow = args.worker_index == args.workers - 1 and args.workers > 1
                 delay = args.slow_worker_delay if slow else 0.0

@@ -10,7 +10,7 @@ from typing import Any
 from redis.connection import AbstractConnection
 from redis.exceptions import ResponseError
 
-from ._connection import raise_first_error
+from ._routing import raise_first_error
 
 
 def pooled(pool: Any, command_name: str) -> Any:

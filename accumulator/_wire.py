@@ -21,8 +21,8 @@ from typing import Any, TypeVar
 
 import redis
 
-from ._connection import by_node, is_cluster, is_redirect
 from ._direct import pooled
+from ._routing import by_node, is_cluster, is_redirect
 
 _RECV = 65536
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from accumulator import AccumulatorBase, InvalidArgumentError
-from accumulator._connection import cluster_url
+from accumulator._urls import cluster_url
 
 #: How long something that should happen promptly may take (generous: 2 shared cores).
 PROMPT = 5.0

@@ -16,7 +16,7 @@ import redis
 from _helpers import Taker
 
 import accumulator
-from accumulator import _connection
+from accumulator import _connection, _routing, _urls
 from accumulator.sync import Worker
 from accumulator.testing import RedisServer, find_server_binary
 
@@ -166,16 +166,16 @@ def test_close_breaks_a_wait_on_shared_pools_at_once(real_url: str, queued: bool
 
 
 def test_a_command_is_routed_by_its_first_key_a_script_call_by_its_first_keys_entry():
-    assert _connection.command_key(("SET", "acc:{a}:b", b"x")) == "acc:{a}:b"
-    assert _connection.command_key(["EVALSHA", "f" * 40, 2, "acc:{a}:s", "acc:{a}:g", 7]) == (
+    assert _routing.command_key(("SET", "acc:{a}:b", b"x")) == "acc:{a}:b"
+    assert _routing.command_key(["EVALSHA", "f" * 40, 2, "acc:{a}:s", "acc:{a}:g", 7]) == (
         "acc:{a}:s"
     )
-    assert _connection.command_key(["EVALSHA", "f" * 40, 0, "arg"]) is None
-    assert _connection.command_key(("PING",)) is None
-    assert _connection.routing_keys([("GET", "k1"), ("EVAL", "return 1", 1, "k2")]) == [
+    assert _routing.command_key(["EVALSHA", "f" * 40, 0, "arg"]) is None
+    assert _routing.command_key(("PING",)) is None
+    assert _routing.routing_keys([("GET", "k1"), ("EVAL", "return 1", 1, "k2")]) == [
         "k1", "k2",
     ]  # fmt: skip
-    assert _connection.routing_keys([("GET", "k1"), ("PING",)]) is None
+    assert _routing.routing_keys([("GET", "k1"), ("PING",)]) is None
 
 
 def test_a_database_that_is_no_number_is_refused() -> None:
@@ -183,7 +183,7 @@ def test_a_database_that_is_no_number_is_refused() -> None:
     whatever lives there."""
     import io
 
-    from accumulator import _cli, _connection
+    from accumulator import _cli
 
     for url in ("redis://:secret@127.0.0.1:1/abc", "rediss://127.0.0.1:1/-1"):
         with pytest.raises(accumulator.InvalidArgumentError, match="database number") as info:
@@ -194,7 +194,7 @@ def test_a_database_that_is_no_number_is_refused() -> None:
         assert "database number" in err.getvalue()
     for url in ("redis://h", "redis://h/", "redis://h/3", "redis://h/3/", "redis://h/12?x=1",
                 "unix:///tmp/s.sock?db=2"):  # fmt: skip
-        assert _connection.scheme_problem(url) is None, url
+        assert _urls.scheme_problem(url) is None, url
 
 
 def test_a_url_of_another_scheme_is_refused_naming_every_scheme_we_take() -> None:

@@ -23,21 +23,18 @@ from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import ResponseError
 
 from .. import _scripts
-from .._connection import (
+from .._connection import WAIT_SLICE, node_settings, release, sentinel_pool_like
+from .._direct import as_pipeline_reply, direct, direct_pool
+from .._routing import raise_first_error
+from .._urls import (
     CONNECT_TIMEOUT,
     SOCKET_TIMEOUT,
-    WAIT_SLICE,
     check_url,
     cluster_url,
     default_url,
-    node_settings,
-    raise_first_error,
-    release,
     sentinel_parts,
-    sentinel_pool_like,
     url_options,
 )
-from .._direct import as_pipeline_reply, direct, direct_pool
 
 
 @dataclass

@@ -17,7 +17,6 @@ from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.exceptions import NoScriptError, ResponseError
 
 from .. import _retry, _scripts
-from .._connection import join_by_node, moved_error, raise_first_error, split_by_node
 from .._errors import CancelledError
 from .._model import AccumulatorModel, server_of
 from .._requests import (
@@ -34,6 +33,7 @@ from .._requests import (
     Unsubscribe,
     advance,
 )
+from .._routing import join_by_node, moved_error, raise_first_error, split_by_node
 from ._connection import (
     AsyncClient,
     AsyncConnections,

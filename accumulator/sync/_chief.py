@@ -18,10 +18,11 @@ from redis.exceptions import NoScriptError, ResponseError
 
 from .. import _admin, _chunks, _retry, _scripts
 from .._codec import scalar_int
-from .._connection import Client, is_cluster, require_transactions
+from .._connection import Client, require_transactions
 from .._errors import DeadlineExceededError, InvalidArgumentError, NotFoundError
 from .._keys import Keys, is_done_mark
 from .._requests import Call
+from .._routing import is_cluster
 from .._stream import write_parts
 from .._together import call_step, run_together
 from ._job import TrainingFinished, _Job, _text, accumulator_name
