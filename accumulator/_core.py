@@ -1,5 +1,5 @@
 """The synchronous accumulator: :class:`AccumulatorBase`, the driver that runs the shared
-protocol (``_model``, ``_protocol``: generators of ``_requests``) against redis-py, with
+protocol (``_model``, ``_take``: generators of ``_requests``) against redis-py, with
 retries through transient faults, and blocking waits that ``close()`` can break from another
 thread. Kind-specific code (validation, payload layout, reduction) lives in
 ``_dense``/``_sparse``.
@@ -18,7 +18,7 @@ import redis
 from redis.client import PubSub
 from redis.exceptions import NoScriptError, ResponseError
 
-from . import _protocol, _retry, _scripts
+from . import _retry, _scripts, _take
 from ._cluster_batch import by_node_batch, each, is_script, on_node, per_node
 from ._connection import Client, Connections, connect
 from ._direct import execute_batch, pooled
@@ -49,9 +49,9 @@ _T = TypeVar("_T")
 
 
 def leave(client: redis.Redis, keys: Keys, taker: str, schema: int = SCHEMA_VERSION) -> int:
-    """Run ``lua/leave.lua`` for one taker (see ``_protocol.leave_call``): 0 (it held no
+    """Run ``lua/leave.lua`` for one taker (see ``_take.leave_call``): 0 (it held no
     claim), 1 (given back) or -1 (the accumulator moved on)."""
-    call = _protocol.leave_call(keys, taker, schema)
+    call = _take.leave_call(keys, taker, schema)
     return int(_scripts.call(client, call.name, call.keys, call.args))
 
 
@@ -147,7 +147,7 @@ class AccumulatorBase(AccumulatorModel):
 
     def _take_script_args(self, taker: str, n: int, lease_ms: int) -> tuple[list[Any], list[Any]]:
         """KEYS and ARGV of the take script (see lua/take.lua)."""
-        return _protocol.take_script_args(self, taker, n, lease_ms)
+        return _take.take_script_args(self, taker, n, lease_ms)
 
     # -- the driver ---------------------------------------------------------------------------
 

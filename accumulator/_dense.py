@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from . import _reduce
+from ._apply import apply
 from ._codec import (
     as_array,
     check_payload_size,
@@ -24,8 +25,8 @@ from ._connection import Client
 from ._core import AccumulatorBase
 from ._errors import InvalidArgumentError
 from ._model import MAX_PAYLOAD_BYTES, AccumulatorModel
-from ._protocol import Claim, apply, take
 from ._requests import Ops
+from ._take import Claim, take
 
 
 class DenseOps(AccumulatorModel):

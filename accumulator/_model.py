@@ -3,7 +3,7 @@ simple protocol steps (open, read and set the step), with no I/O of their own.
 
 The protocol steps are generators of requests (``_requests``); the drivers
 (:class:`accumulator.AccumulatorBase`, ``accumulator.aio``) do the I/O. The apply and take
-protocols are in ``_protocol``; kind-specific checks and reductions in ``_dense`` and
+protocols are in ``_apply`` and ``_take``; kind-specific checks and reductions in ``_dense`` and
 ``_sparse`` (``DenseOps``, ``SparseOps``).
 """
 

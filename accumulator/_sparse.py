@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import _reduce
+from ._apply import apply
 from ._codec import (
     as_array,
     check_payload_size,
@@ -30,8 +31,8 @@ from ._connection import Client
 from ._core import AccumulatorBase
 from ._errors import InvalidArgumentError
 from ._model import MAX_PAYLOAD_BYTES, AccumulatorModel
-from ._protocol import Claim, apply, take
 from ._requests import Ops
+from ._take import Claim, take
 from ._tensors import torch_sparse_rows
 
 _INDEX_DTYPE = np.dtype("<i8")

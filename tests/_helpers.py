@@ -238,17 +238,17 @@ def take_script(acc: Any, taker: str, n: int, lease_ms: int, claim_ms: int | Non
     """Run the take script the way a take does, once (a taker that then 'crashes'): a round
     of spread payloads is first checked (the script's ``{2, entries}`` reply) as the
     protocol checks it. ``claim_ms``: the claim's lease (the accumulator's otherwise)."""
-    from accumulator import _protocol, _scripts
+    from accumulator import _scripts, _take
 
     checked: dict[bytes, bytes] = {}
     while True:
-        keys, args = _protocol.take_script_args(acc, taker, n, lease_ms, checked)
+        keys, args = _take.take_script_args(acc, taker, n, lease_ms, checked)
         if claim_ms is not None:
             args[6] = claim_ms
         reply = _scripts.call(acc.redis, "take", keys, args)
         if int(reply[0]) != 2:
             return reply
-        checked.update(acc._run(_protocol._check_spread(acc, reply[1])))
+        checked.update(acc._run(_take._check_spread(acc, reply[1])))
 
 
 def aclient(target: Any) -> Any:

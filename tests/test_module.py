@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import accumulator
-from accumulator import _acl, _chunks, _module, _protocol, _reduce, _scripts
+from accumulator import _acl, _apply, _chunks, _module, _reduce, _scripts
 from accumulator._keys import SCHEMA_VERSION, Keys
 from accumulator.testing import RedisServer, find_server_binary
 
@@ -177,7 +177,7 @@ def test_a_round_taken_before_its_folds_ended_is_read_whole(module_url, mod, mon
     grads = _grads(3)
     stopped: list[str] = []
     # the applying client stops before its folds: it records the gradient's key instead
-    monkeypatch.setattr(_protocol, "fold", lambda acc, blob: iter(stopped.append(blob) or ()))
+    monkeypatch.setattr(_apply, "fold", lambda acc, blob: iter(stopped.append(blob) or ()))
     for g in grads:
         assert acc.apply_grad(g, local_step=0)
     for blob in stopped:
@@ -200,7 +200,7 @@ def test_a_round_taken_before_its_folds_ended_is_read_whole(module_url, mod, mon
 def test_a_round_given_back_mid_fold_is_taken_whole_again(module_url, mod, monkeypatch):
     acc = make(module_url, shape=(FOLD_SIZE,), reduction_type="SUM")
     grads = _grads(2)
-    monkeypatch.setattr(_protocol, "fold", lambda acc, blob: iter(()))
+    monkeypatch.setattr(_apply, "fold", lambda acc, blob: iter(()))
     for g in grads:
         assert acc.apply_grad(g, local_step=0)
     monkeypatch.setattr(_reduce, "reduce_into", _raise_memory_error)

@@ -8,8 +8,8 @@ from typing import Any
 import numpy as np
 
 from .._dense import DenseOps
-from .._protocol import take
 from .._sparse import IndexedSlices, SparseGradient, SparseOps
+from .._take import take
 from ._connection import AsyncClient
 from ._core import AccumulatorBase
 

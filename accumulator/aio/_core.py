@@ -1,5 +1,5 @@
 """The asyncio driver: runs the same protocol as the synchronous classes (``_model``,
-``_protocol``: generators of ``_requests``) over ``redis.asyncio``."""
+``_apply``, ``_take``: generators of ``_requests``) over ``redis.asyncio``."""
 
 from __future__ import annotations
 

@@ -1,0 +1,262 @@
+"""The apply protocol, written once for every driver (sans-I/O: generators of ``_requests``;
+see that module).
+
+The payload's parts (SET NX, from the caller's buffer) and the apply script go in one
+pipeline; on the module path the rest of a large gradient is then folded into the round's sum
+a few parts per script. Also the commit batch (with its durability wait) and the sweep of
+stranded payloads, which the take uses too.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+from redis.exceptions import ResponseError
+
+from . import _chunks, _model, _scripts
+from ._codec import to_payload
+from ._durability import Durability
+from ._errors import (
+    FailedPreconditionError,
+    InvalidArgumentError,
+    NotDurableError,
+    ResourceExhaustedError,
+)
+from ._model import AccumulatorModel
+from ._requests import Batch, Call, Command, Ops
+
+logger = logging.getLogger("accumulator")
+
+
+def apply(
+    acc: AccumulatorModel, arr: np.ndarray, shape_token: str, local_step: int,
+    first_error: str = "",
+) -> Ops[tuple[int, Any]]:  # fmt: skip
+    """Send one payload; returns (code, detail): 1 accepted, 0 stale, -1 round-shape
+    mismatch (detail = the round's shape token), -2 ``first_error`` applied because the
+    gradient would have opened the round."""
+    acc._check_open()
+    payload = to_payload(arr)
+    nbytes = payload.nbytes
+    if nbytes > _model.MAX_PAYLOAD_BYTES:
+        raise InvalidArgumentError(
+            f"gradient of {nbytes} bytes exceeds the {_model.MAX_PAYLOAD_BYTES} byte limit of "
+            "one payload; split the parameter into several accumulators"
+        )
+    ident = acc._identities.acquire()
+    try:
+        sent = yield from _send(acc, payload, shape_token, local_step, first_error,
+                                ident.client_id, ident.seq)  # fmt: skip
+        reply, blob, inline, acked, garbage = sent
+    finally:
+        acc._identities.release(ident)
+    code = int(reply[0])
+    if garbage or (acc.spreads_parts and not inline and code != 1):
+        # dropped (stale, refused: the script leased its parts to us) and what was swept
+        mine = [] if code == 1 else [b"x" + acc._keys.spread_entry(blob, nbytes)]
+        yield from discard(acc, [*mine, *garbage])
+    # parts left to fold into the sum in Redis; a retry's answer does not say: look
+    if code == 1 and not inline and acc._sum_dtype and (
+        len(reply) > 4 and int(reply[4]) or int(reply[3])
+    ):
+        yield from fold(acc, blob)
+    durability = acc._durability()
+    missing = None
+    if durability and code == 1:
+        missing = next(filter(None, (durability.shortfall(a) for a in acked)), None)
+    if missing:
+        raise NotDurableError(
+            f"apply_grad on {acc._shared_name!r}: the gradient is applied on the primary, "
+            f"but {missing} did not come within {acc.durability_timeout:g}s "
+            "(a failover now could lose it). Do not apply it again: it is counted"
+        )
+    if code == -3:
+        raise ResourceExhaustedError(
+            f"accumulator {acc._shared_name!r}: a gradient of {nbytes} bytes would take "
+            f"the pending round past its max_pending_bytes={int(reply[4])}; nothing was "
+            "applied (take the round, or open the accumulator with a larger limit)"
+        )
+    if code == -4:
+        final = int(reply[4])
+        raise FailedPreconditionError(
+            f"accumulator {acc._shared_name!r} is sealed: its sync job finished at step "
+            f"{final}, and no round of it will be taken again; nothing was applied",
+            final,
+        )
+    if code < 0:
+        return code, reply[4]
+    if code == 0:
+        logger.debug(
+            "dropped stale gradient for %r: local_step %d < global_step %d",
+            acc._shared_name, local_step, int(reply[1]),
+        )  # fmt: skip
+    return code, None
+
+
+def _send(
+    acc: AccumulatorModel, payload: memoryview, shape_token: str, local_step: int,
+    first_error: str, cid: str, seq: int,
+) -> Ops[tuple[Any, str, bool, list[Any], list[bytes]]]:  # fmt: skip
+    """The apply's pipeline: (script reply, payload key, inline, the durability waits'
+    replies, spread garbage this apply is to sweep). Every attempt sends the same (client id,
+    seq): the script answers a retry of an apply it already counted without counting it
+    again."""
+    nbytes = payload.nbytes
+    k = acc._keys
+    blob = k.blob(cid, seq)
+    keys = [k.state, k.grads, k.dedup(cid), k.takers, k.taker_info, k.wake, blob, k.orphans]
+    inline = nbytes <= _model.INLINE_MAX_BYTES
+    spread = not inline and acc.spreads_parts
+    args = [acc._schema, seq, local_step, shape_token, "i" if inline else "d" if spread else "p",
+            b"i" + payload if inline else b"", nbytes, _model.DEDUP_TTL_MS,
+            first_error]  # fmt: skip
+    durability = acc._durability()
+    if inline and durability is None:
+        reply = yield Call("apply_grad", "apply", keys, args, commit=True)
+        return reply, blob, True, [], []
+    acked: list[Any] = []
+    garbage: list[bytes] = []
+    commands: list[tuple[Any, ...]] = []
+    if spread:
+        acked, garbage = yield from _send_spread(acc, payload, blob)
+    elif not inline:
+        # The parts, each one chunk, straight from the caller's buffer (memoryview slices:
+        # no copy). NX: a retry must not re-arm the orphan expiry of a payload accepted.
+        commands = [
+            ("SET", k.part(blob, i), payload[start:stop], "NX", "PX", _model.ORPHAN_TTL_MS)
+            for i, (start, stop) in enumerate(_chunks.part_ranges(nbytes))
+        ]  # fmt: skip
+    commands.append(tuple(_scripts.evalsha_args("apply", keys, args)))
+    replies = yield from committed("apply_grad", commands, durability, k.state)
+    if durability is not None:
+        acked.append(replies.acked)
+    return replies[-1], blob, inline, acked, garbage
+
+
+def _send_spread(
+    acc: AccumulatorModel, payload: memoryview, blob: str
+) -> Ops[tuple[list[Any], list[bytes]]]:
+    """Write a payload spread over slots: register it (lua/orphans.lua, which also hands out
+    garbage for this apply to sweep), then its parts, one pipeline per node, every reply
+    checked (the apply script cannot see them). Returns (the durability waits' replies, one
+    per node, the garbage)."""
+    k = acc._keys
+    entry = k.spread_entry(blob, payload.nbytes)
+    keys = [k.state, k.orphans]
+    args = [acc._schema, entry, _model.ORPHAN_TTL_MS, _model.SWEEP_COUNT, _model.SWEEP_LEASE_MS]
+    durability = acc._durability()
+    registered: list[Any] = []
+    if durability is None:
+        garbage = yield Call("apply_grad", "orphans", keys, args, commit=True)
+    else:
+        # a registration a failover lost would make the apply script refuse the gradient
+        register = tuple(_scripts.evalsha_args("orphans", keys, args))
+        done = yield from committed("apply_grad", [register], durability, k.state)
+        garbage, registered = done[0], [done.acked]
+    # NX: a retried batch leaves a part already written alone (the same bytes)
+    commands = [
+        ("SET", k.spread_part(blob, i), payload[start:stop], "NX")
+        for i, (start, stop) in enumerate(_chunks.part_ranges(payload.nbytes))
+    ]  # fmt: skip
+    tail = durability.command() if durability is not None else None
+    replies = yield Batch("apply_grad", commands, raise_on_error=False, commit=True, tail=tail)
+    replies = list(replies)
+    acked = replies.pop() if tail is not None else []
+    if durability is not None:  # a wait that failed confirmed nothing
+        acked = [durability.unconfirmed() if isinstance(a, Exception) else a for a in acked]
+        acked += registered
+    failed = first_error(replies)
+    if failed is not None:
+        # refused (maxmemory, ACL): what was written goes, and the registration with it
+        yield from discard(acc, [entry])
+        raise failed
+    return acked, [g for g in garbage if isinstance(g, bytes)]
+
+
+def sweep(acc: AccumulatorModel) -> Ops[None]:
+    """Delete the parts of spread payloads that are garbage and due (lua/orphans.lua)."""
+    k = acc._keys
+    try:
+        args = [acc._schema, "", 0, _model.SWEEP_COUNT, _model.SWEEP_LEASE_MS]
+        garbage = yield Call("sweep", "orphans", [k.state, k.orphans], args)
+    except Exception:  # noqa: BLE001 - the next sweeper does it
+        logger.debug("sweeping %s failed", k.base, exc_info=True)
+        return
+    yield from discard(acc, list(garbage))
+
+
+def discard(acc: AccumulatorModel, members: list[bytes]) -> Ops[None]:
+    """Delete the parts of spread payloads that are garbage (``x<entry>`` members of the
+    orphans zset, leased to this client; or this client's own registration of a payload it
+    failed to write), then the members. Best effort: a failure is logged,
+    and another sweeper deletes them once the lease ran out."""
+    k = acc._keys
+    parts = k.orphan_parts(members)
+    try:
+        for i in range(0, len(parts), 512):
+            yield Batch("sweep", [("UNLINK", key) for key in parts[i : i + 512]])
+        if members:
+            yield Command("sweep", ("ZREM", k.orphans, *members))
+    except Exception:  # noqa: BLE001 - the lease runs out; the next sweeper finishes
+        logger.warning(
+            "could not delete the parts of %d dropped gradients of %r (the next apply sweeps "
+            "them)", len(members), acc._shared_name, exc_info=True,
+        )  # fmt: skip
+
+
+class Replies(list[Any]):
+    """A batch's replies, and the reply of the durability wait after them (or None)."""
+
+    acked: Any = None
+
+
+def committed(
+    what: str, commands: list[tuple[Any, ...]], durability: Durability | None, key: str
+) -> Ops[Replies]:
+    """Send a commit's commands in one batch, followed by the durability wait on the same
+    connection (on a cluster: of the node serving ``key``, the accumulator's slot); error
+    replies raise (a payload part's refusal, OOM or ACL, before the script's: it explains
+    best)."""
+    node_key = None
+    if durability is not None:
+        commands = [*commands, durability.command()]
+        node_key = key
+    batch = Batch(what, commands, raise_on_error=False, commit=True, node_key=node_key)
+    replies = Replies((yield batch))
+    if durability is not None:
+        acked = replies.pop()
+        # a wait that failed confirmed nothing
+        replies.acked = durability.unconfirmed() if isinstance(acked, Exception) else acked
+    failed = first_error(replies)
+    if failed is not None:
+        raise failed
+    return replies
+
+
+def first_error(replies: list[Any]) -> Exception | None:
+    """The first error among a batch's replies, as ours where it is ours (``ACCERR``,
+    maxmemory, ACL), else None."""
+    failed = next((r for r in replies if isinstance(r, Exception)), None)
+    return _scripts.translate(failed) if isinstance(failed, ResponseError) else failed
+
+
+def fold(acc: AccumulatorModel, blob: str) -> Ops[None]:
+    """Add the rest of an accepted gradient into the round's sum in Redis, a few parts per
+    script (lua/fold.lua), so that other clients are served in between. The apply is
+    already counted: a failure here is logged, not raised (the taker reads the parts
+    not folded in yet), and a retried call folds nothing twice."""
+    call = Call("apply_grad (folding)", "fold", [acc._keys.state, acc._keys.grads],
+                [acc._schema, blob, _chunks.FOLD_PARTS])  # fmt: skip
+    try:
+        while int((yield call)):
+            pass
+    except Exception:  # noqa: BLE001 - the gradient is applied; folding only saves memory
+        logger.warning(
+            "apply_grad on %r: the gradient is applied, but adding it into the sum kept in "
+            "Redis stopped; the taker reads the rest of it as it is",
+            acc._shared_name, exc_info=True,
+        )  # fmt: skip
+
+

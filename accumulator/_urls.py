@@ -1,0 +1,108 @@
+"""Redis URLs: the schemes we take, their checks, and the client settings they give (the
+synchronous and the asyncio connections are both built from these). No I/O."""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+from urllib.parse import urlsplit
+
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from ._errors import InvalidArgumentError
+from ._redact import redact_url
+
+#: The URL clients use when none is given (and no variable names one).
+DEFAULT_URL = "redis://localhost:6379/0"
+#: Socket timeout for ordinary commands. Large gradients must be *sent* within it
+#: (``sendall`` is covered by the timeout as a whole): 64 MiB takes ~0.2 s on loopback.
+SOCKET_TIMEOUT = 30.0
+#: Seconds to connect (TCP and, on rediss://, the TLS handshake).
+CONNECT_TIMEOUT = 5.0
+
+
+def default_url() -> str:
+    """``ACCUMULATOR_REDIS_URL``, then ``REDIS_URL``, then ``redis://localhost:6379/0``."""
+    return os.environ.get("ACCUMULATOR_REDIS_URL") or os.environ.get("REDIS_URL") or DEFAULT_URL
+
+
+def url_options(url: str) -> dict[str, Any]:
+    """The client settings of a URL's connections (the sync and asyncio clients add their
+    own ``retry``): timeouts, keepalive on TCP, retries on connection faults, health checks."""
+    tcp = not url.startswith("unix:")
+    return dict(
+        socket_timeout=SOCKET_TIMEOUT,
+        socket_connect_timeout=CONNECT_TIMEOUT,
+        # keepalive is a TCP option (a unix socket connection refuses the argument)
+        **({"socket_keepalive": True} if tcp else {}),
+        retry_on_error=[RedisConnectionError, RedisTimeoutError],
+        health_check_interval=30,
+    )
+
+
+#: The URL schemes ``client=`` (and the CLI's ``--url``) take.
+URL_SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://",
+               "redis+sentinel://")  # fmt: skip
+
+
+def scheme_problem(url: str) -> str | None:
+    """What is wrong with a URL's scheme (redis-py's own error lists only its three), or with
+    the database of a ``redis://``/``rediss://`` URL (redis-py takes ``/abc`` for db 0); None
+    when nothing is."""
+    if not url.startswith(URL_SCHEMES):
+        return f"it must start with one of {', '.join(URL_SCHEMES)}"
+    if url.startswith(("redis://", "rediss://")):
+        path = urlsplit(url).path
+        if path.strip("/") and not re.fullmatch(r"[0-9]+", path.strip("/")):
+            return f"its path must be a database number (/0, /1, ...), not {path!r}"
+    return None
+
+
+def check_url(url: str) -> None:
+    """:class:`InvalidArgumentError` for a URL of a scheme we do not connect to."""
+    problem = scheme_problem(url)
+    if problem is not None:
+        raise InvalidArgumentError(f"unsupported Redis URL {redact_url(url)!r}: {problem}")
+
+
+def cluster_url(url: str) -> str | None:
+    """The plain URL of a ``redis+cluster://`` (``rediss+cluster://``) one, else None."""
+    for scheme in ("redis+cluster://", "rediss+cluster://"):
+        if url.startswith(scheme):
+            return scheme.replace("+cluster", "") + url[len(scheme) :]
+    return None
+
+
+def sentinel_parts(url: str) -> tuple[list[tuple[str, int]], str, dict[str, Any]] | None:
+    """What a ``redis+sentinel://[user:password@]host:port[,host:port...]/service[/db]`` URL
+    names: the Sentinels' addresses, the name they know the primary by, and the primary's
+    client options (db, user and password, our timeouts); None for another URL. No I/O: the
+    synchronous and the asyncio ``master_for`` are built from it."""
+    scheme = "redis+sentinel://"
+    if not url.startswith(scheme):
+        return None
+    from urllib.parse import unquote
+
+    rest = url[len(scheme) :]
+    auth, _, rest = rest.rpartition("@")
+    hosts, _, path = rest.partition("/")
+    parts = [p for p in path.split("/") if p]
+    if not hosts or not parts or len(parts) > 2 or (len(parts) == 2 and not parts[1].isdigit()):
+        raise ValueError("a Sentinel URL is redis+sentinel://host:port[,host:port...]/service[/db]")
+    addresses = []
+    for host in hosts.split(","):
+        name, _, port = host.rpartition(":")
+        if not name or not port.isdigit():
+            raise ValueError(f"a Sentinel address must be host:port, not {host!r}")
+        addresses.append((name, int(port)))
+    user, _, password = auth.partition(":") if ":" in auth else ("", "", auth)
+    options: dict[str, Any] = {"db": int(parts[1]) if len(parts) == 2 else 0,
+                               "socket_timeout": SOCKET_TIMEOUT,
+                               "socket_connect_timeout": CONNECT_TIMEOUT}  # fmt: skip
+    if user:
+        options["username"] = unquote(user)
+    if password:
+        options["password"] = unquote(password)
+    return addresses, unquote(parts[0]), options
