@@ -113,7 +113,10 @@ if spread then
   if not redis.call('ZSCORE', orphans, entry) then return acc_error('NOBLOB ' .. blob) end
 elseif not inline then
   local len = entry_length(entry, payload_keys)
-  if len ~= tonumber(nbytes) then return acc_error('NOBLOB ' .. blob) end
+  if len ~= tonumber(nbytes) then
+    drop_payload()  -- the parts that were written (the others refused, or evicted) go too
+    return acc_error('NOBLOB ' .. blob)
+  end
 end
 
 -- An accumulator that keeps its round's sum in Redis (st.sum: the accsum module's dtype) adds
@@ -146,9 +149,10 @@ if summing then
 end
 
 local function refuse(code, detail)
-  -- refused input is not remembered: a retry is judged again (it changed nothing)
-  redis.call('HINCRBY', state, 'n_rejected', 1)
+  -- refused input is not remembered: a retry is judged again (it changed nothing). The
+  -- payload goes first: at maxmemory, Redis refuses only a script's first write.
   drop_payload()
+  redis.call('HINCRBY', state, 'n_rejected', 1)
   return {code, step, count, 0, detail}
 end
 
@@ -156,10 +160,10 @@ local local_step = ARGV[3]
 if int_cmp(local_step, step) < 0 then
   local behind = tonumber(step) - tonumber(local_step)
   local s = redis.call('HMGET', state, 'n_stale', 'stale_steps', 'max_stale')
+  drop_payload()  -- first (see refuse)
   redis.call('HSET', state, 'n_stale', int_str(tonumber(s[1]) + 1),
     'stale_steps', int_str(tonumber(s[2]) + behind),
     'max_stale', int_str(math.max(tonumber(s[3]), behind)))
-  drop_payload()
   redis.call('SET', dedup, seq .. ' 0', 'PX', ARGV[8])  -- "<seq>" alone means accepted
   return {0, step, count, 0}
 end
@@ -181,7 +185,13 @@ if st.maxbytes and total > tonumber(st.maxbytes) then
   return refuse(-3, st.maxbytes)
 end
 
-redis.call('SET', dedup, seq, 'PX', ARGV[8])
+-- The first write: at maxmemory Redis refuses it (and only it), and the payload goes with
+-- the refusal (a worker retrying would otherwise pile up a gradient per try, kept an hour).
+local first = redis.pcall('SET', dedup, seq, 'PX', ARGV[8])
+if type(first) == 'table' and first.err then
+  drop_payload()
+  return first
+end
 if spread then
   redis.call('ZREM', orphans, entry)  -- in the round now: no sweeper may touch its parts
   redis.call('RPUSH', grads, entry)

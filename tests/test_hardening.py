@@ -199,6 +199,74 @@ def test_apply_at_maxmemory_is_refused_and_changes_nothing(real):
     np.testing.assert_array_equal(acc.take_grad(1, timeout=5), np.ones(LARGE))
 
 
+def test_an_apply_refused_at_maxmemory_half_way_leaves_none_of_its_parts(real):
+    """A gradient of several parts: the first land, a later one is refused at maxmemory. The
+    parts that landed go with the refusal (they were kept an hour, holding the server at its
+    limit), and the round is as before."""
+    r = real.redis()
+    shape = (4 * (1 << 20) // 4,)  # 4 MiB of float32: five parts
+    acc = make(real, shape=shape)
+    acc.apply_grad(np.ones(shape))
+    used = int(r.info("memory")["used_memory"])
+    r.config_set("maxmemory", used + (2 << 20))
+    try:
+        before = snapshot(r, acc._keys.pattern)
+        with pytest.raises(accumulator.ResourceExhaustedError):
+            acc.apply_grad(np.full(shape, 2.0))
+        assert snapshot(r, acc._keys.pattern) == before
+    finally:
+        r.config_set("maxmemory", 0)
+    np.testing.assert_array_equal(acc.take_grad(1, timeout=5), np.ones(shape))
+
+
+def _parts_call(acc, nbytes: int, seq: int = 1):
+    """The apply script's keys and arguments for a payload of parts (mode 'p') of client
+    'ab', and the keys of its parts."""
+    k = acc._keys
+    blob = k.blob("ab", seq)
+    keys = [k.state, k.grads, k.dedup("ab"), k.takers, k.taker_info, k.wake, blob, k.orphans]
+    args = [acc._schema, seq, 0, ",".join(map(str, acc.shape)), "p", b"", nbytes, 60000, ""]
+    n = len(list(accumulator._chunks.part_ranges(nbytes)))
+    return keys, args, [k.part(blob, i) for i in range(n)]
+
+
+def test_a_payload_missing_a_part_is_refused_and_its_other_parts_deleted(target):
+    """A part refused at maxmemory (or evicted): the apply script refuses the payload
+    (NOBLOB) and deletes the parts that are there."""
+    shape = (3 * (1 << 20) // 4,)
+    acc = make(target, shape=shape)
+    r = target.redis()
+    before = snapshot(r, acc._keys.pattern)
+    keys, args, parts = _parts_call(acc, 3 << 20)
+    for key in parts[:-1]:
+        r.set(key, b"\0" * accumulator._chunks.CHUNK_BYTES, px=3600_000)
+    with pytest.raises(accumulator.ResourceExhaustedError, match="not stored"):
+        _scripts.call(acc.redis, "apply", keys, args)
+    assert snapshot(r, acc._keys.pattern) == before
+
+
+def test_an_apply_whose_bookkeeping_is_refused_at_maxmemory_deletes_its_parts(real):
+    """Every part landed, then Redis went over maxmemory: the script's first write is
+    refused (Redis refuses only a script's first write), and the payload goes with it."""
+    shape = (3 * (1 << 20) // 4,)
+    acc = make(real, shape=shape)
+    r = real.redis()
+    before = snapshot(r, acc._keys.pattern)
+    keys, args, parts = _parts_call(acc, 3 << 20)
+    chunk = accumulator._chunks.CHUNK_BYTES
+    for i, key in enumerate(parts):
+        r.set(key, b"\0" * min(chunk, (3 << 20) - i * chunk), px=3600_000)
+    r.config_set("maxmemory", 1 << 20)
+    try:
+        with pytest.raises(accumulator.ResourceExhaustedError, match="out of memory"):
+            _scripts.call(acc.redis, "apply", keys, args)
+        assert snapshot(r, acc._keys.pattern) == before
+    finally:
+        r.config_set("maxmemory", 0)
+    acc.apply_grad(np.ones(shape))
+    np.testing.assert_array_equal(acc.take_grad(1, timeout=5), np.ones(shape))
+
+
 def test_a_payload_that_did_not_land_is_not_accepted(target):
     """The apply script itself checks the payload key (a SET refused at maxmemory)."""
     acc = make(target, shape=LARGE)
