@@ -26,7 +26,7 @@ from ._core import AccumulatorBase
 from ._errors import InvalidArgumentError
 from ._model import MAX_PAYLOAD_BYTES, AccumulatorModel
 from ._requests import Ops
-from ._take import Claim, take
+from ._take import Cancel, Claim, take
 
 
 class DenseOps(AccumulatorModel):
@@ -69,7 +69,7 @@ class DenseOps(AccumulatorModel):
         num_required: Any,
         timeout: Any,
         out: np.ndarray | None,
-        cancel: threading.Event | None = None,
+        cancel: Cancel | None = None,
     ) -> Ops[np.ndarray]:
         if out is not None:
             self._check_out(out)

@@ -32,7 +32,7 @@ from ._core import AccumulatorBase
 from ._errors import InvalidArgumentError
 from ._model import MAX_PAYLOAD_BYTES, AccumulatorModel
 from ._requests import Ops
-from ._take import Claim, take
+from ._take import Cancel, Claim, take
 from ._tensors import torch_sparse_rows
 
 _INDEX_DTYPE = np.dtype("<i8")
@@ -199,7 +199,7 @@ class SparseOps(AccumulatorModel):
         num_required: Any,
         timeout: Any,
         out: None = None,
-        cancel: threading.Event | None = None,
+        cancel: Cancel | None = None,
     ) -> Ops[SparseGradient]:
         """The take as a protocol step (``out`` is the dense accumulator's; none here)."""
         return (yield from take(self, num_required, timeout, self._merge_claim, cancel))

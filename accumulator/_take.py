@@ -12,13 +12,12 @@ from __future__ import annotations
 import logging
 import math
 import os
-import threading
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from numbers import Real
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
@@ -42,6 +41,14 @@ logger = logging.getLogger("accumulator")
 CANCEL_SLICE = 0.1
 
 _T = TypeVar("_T")
+
+
+class Cancel(Protocol):
+    """What a take's ``cancel`` is: a ``threading.Event``, or anything with its ``is_set``."""
+
+    def is_set(self) -> bool:
+        """Whether the take must stop."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -107,7 +114,7 @@ def take(
     num_required: Any,
     timeout: Any,
     decode: Callable[[Claim], Ops[_T]],
-    cancel: threading.Event | None = None,
+    cancel: Cancel | None = None,
 ) -> Ops[_T]:
     """Wait for and claim a round, then read it and ``decode`` it. If anything fails
     after the claim (reading, decoding, reducing, an interrupt, ``cancel`` set), the round

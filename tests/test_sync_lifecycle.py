@@ -9,6 +9,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -372,6 +373,57 @@ def test_a_crashed_chief_is_taken_over_once_its_lease_ran_out(real, tmp_path):
     again = ParameterServer("crash2", replicas_to_aggregate=1, client=real.url, chief_id="pod-0")
     assert again.initialize({"w": np.zeros(3)}) == 0
     again.close()
+
+
+@pytest.mark.parametrize("pushed", ["before", "while waiting"])
+def test_a_chief_whose_lease_ran_out_takes_nothing(target, pushed):
+    """A chief that was paused past its lease (here: its renewals stopped), while another
+    chief took the job over, takes no round: its takes give back what they claim, and the
+    step raises ChiefConflictError. The round is the new chief's, intact."""
+    ps = ParameterServer("paused", replicas_to_aggregate=1, client=target.client(),
+                         chief_lease=1.0)  # fmt: skip
+    ps.initialize({"w": np.zeros(3)})
+    worker = Worker("paused", client=target.client())
+    assert worker.pull(timeout=5)[0] == 0
+    ps._lease._stop.set()  # paused: no renewal from here on
+    time.sleep(1.3)
+    other = ParameterServer("paused", replicas_to_aggregate=1, client=target.client())
+    other.initialize({"w": np.zeros(3)})
+    if pushed == "before":
+        worker.push(0, {"w": np.ones(3)})
+    else:
+        threading.Timer(0.3, worker.push, (0, {"w": np.ones(3)})).start()
+    with pytest.raises(ChiefConflictError):
+        ps.step(LR, timeout=5)
+    assert _steps_of(target, "paused") == 0
+    assert other.step(LR, timeout=5) == 1
+    step, params = worker.pull(after=0, timeout=5)
+    assert step == 1
+    np.testing.assert_array_equal(params["w"], np.full(3, -LR))
+    worker.close()
+    other.close()
+    ps.close()
+
+
+def test_a_chief_paused_past_its_lease_that_nobody_took_over_carries_on(target, caplog):
+    """The same pause, but no other chief came: the step renews the lease and takes."""
+    ps = ParameterServer("pause2", replicas_to_aggregate=1, client=target.client(),
+                         chief_lease=1.0)  # fmt: skip
+    ps.initialize({"w": np.zeros(3)})
+    worker = Worker("pause2", client=target.client())
+    assert worker.pull(timeout=5)[0] == 0
+    ps._lease._stop.set()
+    time.sleep(1.3)
+    worker.push(0, {"w": np.ones(3)})
+    assert ps.step(LR, timeout=5) == 1
+    assert "was not renewed" in caplog.text
+    np.testing.assert_array_equal(worker.pull(after=0, timeout=5)[1]["w"], np.full(3, -LR))
+    worker.close()
+    ps.close()
+
+
+def _steps_of(target, job: str) -> int:
+    return int(target.redis().hget(Keys("", accumulator_name(job, "w")).state, "step"))
 
 
 def test_the_lease_is_renewed_while_the_chief_waits(target):

@@ -8,6 +8,7 @@ import functools
 import logging
 import os
 import socket
+import time
 import uuid
 import weakref
 from collections.abc import Iterable, Mapping
@@ -19,7 +20,12 @@ from redis.exceptions import NoScriptError, ResponseError
 from .. import _admin, _chunks, _retry, _scripts
 from .._codec import scalar_int
 from .._connection import Client, require_transactions
-from .._errors import DeadlineExceededError, InvalidArgumentError, NotFoundError
+from .._errors import (
+    CancelledError,
+    DeadlineExceededError,
+    InvalidArgumentError,
+    NotFoundError,
+)
 from .._keys import Keys, is_done_mark
 from .._requests import Call
 from .._routing import is_cluster
@@ -446,12 +452,29 @@ class ParameterServer(_Job):
             if outcome[0]:
                 self._taken[todo[i].name] = outcome[1]
 
-        outcomes = run_together([
-            (acc, acc._take_grad_ops(self.replicas_to_aggregate, timeout, None))
-            for acc in (self._accs[spec.name] for spec in todo)
-        ], taken)  # fmt: skip
-        failures = [(spec, value) for spec, (ok, value) in zip(todo, outcomes, strict=True)
-                    if not ok]  # fmt: skip
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            # the takes stop (giving back what they claimed) while the lease may have run out
+            outcomes = run_together([
+                (acc, acc._take_grad_ops(self.replicas_to_aggregate, left, None,
+                                   cancel=self._lease.guard))
+                for acc in (self._accs[spec.name] for spec in todo)
+            ], taken)  # fmt: skip
+            failures = [(spec, value) for spec, (ok, value) in zip(todo, outcomes, strict=True)
+                        if not ok]  # fmt: skip
+            if not (any(isinstance(exc, CancelledError) for _, exc in failures)
+                    and self._lease.guard.is_set()):  # fmt: skip
+                break
+            # Not renewed for most of its length (this process was paused, or starved): the
+            # lease is renewed now, or ChiefConflictError says another chief has the job (the
+            # rounds given back are its). Renewed, the takes start again.
+            logger.warning(
+                "sync job %r: the chief lease was not renewed for %.1fs (paused?); its takes "
+                "gave their rounds back; renewing it", self.job, self._lease.since_renewed(),
+            )  # fmt: skip
+            self._lease.check(renew=True)
+            todo = [spec for spec in self._specs if spec.name not in self._taken]
         late = [(spec, exc) for spec, exc in failures if isinstance(exc, DeadlineExceededError)]
         if late:
             kept = sorted(self._taken)

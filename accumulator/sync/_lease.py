@@ -24,6 +24,11 @@ logger = logging.getLogger("accumulator.sync")
 #: crashed chief is taken over by another within this long.
 CHIEF_LEASE_SECONDS = 10.0
 
+#: A chief's takes give their rounds back once this share of the lease has passed since it was
+#: last renewed (renewed every third: never while the chief runs; a paused or starved chief's
+#: lease may have run out, and another chief taken over).
+_GUARD_SHARE = 0.8
+
 #: How long the record of a lease that ran out stays (``accumulator job`` shows the dead chief).
 _LEASE_RECORD_MS = 3600 * 1000
 
@@ -72,6 +77,10 @@ class _ChiefLease:
         self.held = False
         #: Set (to the reason) when another chief took the lease over: this chief must stop.
         self.lost: str | None = None
+        #: monotonic time a renewal that succeeded was sent (the lease holds a lease from then)
+        self._renewed = 0.0
+        #: The ``cancel`` of this chief's takes (:class:`_LeaseGuard`).
+        self.guard = _LeaseGuard(self)
 
     def _args(self, mode: str) -> list[Any]:
         return [mode, self.chief_id, max(1, int(self.seconds * 1000)), self._host, self._pid,
@@ -112,11 +121,13 @@ class _ChiefLease:
         out, then raises :class:`ChiefConflictError`."""
         deadline = time.monotonic() + max(0.0, wait)
         while True:
+            sent = time.monotonic()
             reply = _retry.call(
                 lambda: self._call("acquire"), f"sync job {self.job!r}: chief lease",
                 window=self.window,
             )  # fmt: skip
             if int(reply[0]) == 1:
+                self._renewed = sent
                 break
             conflict = self._conflict(reply)
             left = deadline - time.monotonic()
@@ -144,10 +155,12 @@ class _ChiefLease:
             raise ChiefConflictError(self.lost, job=self.job)
         if not renew:
             return
+        sent = time.monotonic()
         self.settle(_retry.call(
             lambda: self._call("acquire"), f"sync job {self.job!r}: chief lease",
             window=self.window,
         ))  # fmt: skip
+        self._renewed = sent
 
     def settle(self, reply: list[Any]) -> None:
         """Raise :class:`ChiefConflictError` (and stop renewing) when the reply of an
@@ -161,6 +174,7 @@ class _ChiefLease:
 
     def _beat(self) -> None:
         while not self._stop.wait(self.seconds / 3):
+            sent = time.monotonic()
             try:
                 reply = self._call("renew")
             except Exception as exc:  # noqa: BLE001 - Redis away: the next beat tries again
@@ -176,6 +190,16 @@ class _ChiefLease:
                     )
                 logger.error("sync job %r: %s", self.job, self.lost)
                 return
+            self._renewed = max(self._renewed, sent)
+
+    def since_renewed(self) -> float:
+        """Seconds since the last renewal that succeeded was sent."""
+        return time.monotonic() - self._renewed
+
+    def may_have_run_out(self) -> bool:
+        """Whether this chief may no longer hold its lease: lost, or not renewed within
+        :data:`_GUARD_SHARE` of its length (no round trip)."""
+        return self.lost is not None or self.since_renewed() > self.seconds * _GUARD_SHARE
 
     def release(self) -> None:
         """Stop renewing and give the lease up (best effort: it runs out by itself)."""
@@ -190,3 +214,17 @@ class _ChiefLease:
             self._call("release")
         except Exception as exc:  # noqa: BLE001 - the lease expires on its own
             logger.debug("sync job %r: releasing the chief lease failed: %s", self.job, exc)
+
+
+class _LeaseGuard:
+    """The ``cancel`` a chief gives its takes (it quacks like a ``threading.Event``): set
+    while the chief may have lost its lease. A take that sees it set before it claims, or
+    before it keeps what it claimed, gives the round back: a deposed chief (paused, starved,
+    cut off) never consumes a round that the chief who took over waits for."""
+
+    def __init__(self, lease: _ChiefLease) -> None:
+        self._lease = lease
+
+    def is_set(self) -> bool:
+        """Whether the takes must stop (:meth:`_ChiefLease.may_have_run_out`)."""
+        return self._lease.may_have_run_out()
