@@ -5,12 +5,13 @@ from Redis are untrusted (only an accumulator's own payload keys are deleted).""
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import redis
 
 from . import _scripts
 from ._admin_read import _not_found, _scan, list_accumulators
-from ._connection import require_transactions
+from ._connection import atomically, require_transactions
 from ._core import leave
 from ._errors import InvalidArgumentError, NotFoundError
 from ._keys import DEFAULT_PREFIX, SCHEMA_VERSION, SCHEMAS, Keys
@@ -94,11 +95,12 @@ def delete(
              keys.quarantine, keys.claims, keys.finished, keys.orphans]  # fmt: skip
     # The state first, atomically with reading the round: from here on every script answers
     # NOTFOUND, so nothing new is added while the rest is found and removed.
-    pipe = r.pipeline(transaction=True)
-    pipe.lrange(keys.grads, 0, -1)
-    pipe.zrange(keys.orphans, 0, -1)
-    pipe.unlink(*fixed)
-    entries, orphans, removed = pipe.execute()
+    def queue(pipe: Any) -> None:
+        pipe.lrange(keys.grads, 0, -1)
+        pipe.zrange(keys.orphans, 0, -1)
+        pipe.unlink(*fixed)
+
+    entries, orphans, removed = atomically(r, queue)
     # spread payloads not in the round: registered, dropped, taken (their parts elsewhere)
     removed = int(removed) + _unlink(r, keys.orphan_parts(orphans))
     rest = sorted(_scan(r, keys.pattern))

@@ -22,6 +22,7 @@ from ._admin_info import (
     _text,
     queue_time,
 )
+from ._connection import atomically
 from ._errors import NotFoundError
 from ._keys import DEFAULT_PREFIX, Keys, parse_state_key, state_pattern
 
@@ -219,14 +220,18 @@ def describe(
     Raises :class:`NotFoundError` when its state hash does not exist.
     """
     keys = Keys(container, shared_name, prefix)
-    pipe = r.pipeline(transaction=True)  # one consistent snapshot of the fixed keys
-    clock = queue_time(r, pipe)
-    pipe.hgetall(keys.state)
-    pipe.zrange(keys.takers, 0, -1, withscores=True)
-    pipe.hgetall(keys.taker_info)
-    pipe.lrange(keys.grads, 0, -1)
-    pipe.llen(keys.quarantine)
-    now_reply, state, ranked, taker_info, entries, quarantined = clock(pipe.execute())
+    clocks = []
+
+    def queue(pipe: Any) -> None:
+        clocks.append(queue_time(r, pipe))
+        pipe.hgetall(keys.state)
+        pipe.zrange(keys.takers, 0, -1, withscores=True)
+        pipe.hgetall(keys.taker_info)
+        pipe.lrange(keys.grads, 0, -1)
+        pipe.llen(keys.quarantine)
+
+    replies = atomically(r, queue)  # one consistent snapshot of the fixed keys
+    now_reply, state, ranked, taker_info, entries, quarantined = clocks[-1](replies)
     if not state:
         raise _not_found(shared_name, container)
     now = _server_ms(now_reply)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ from redis.backoff import ExponentialWithJitterBackoff
 from redis.cluster import RedisCluster
 from redis.connection import AbstractConnection, PythonRespSerializer
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoPermissionError, RedisClusterException
+from redis.exceptions import NoPermissionError, OutOfMemoryError, RedisClusterException
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 from redis.sentinel import SentinelConnectionPool
@@ -33,6 +34,8 @@ from ._urls import (
     sentinel_parts,
     url_options,
 )
+
+logger = logging.getLogger("accumulator")
 
 #: Seconds one blocking wait (BLPOP) lasts before the taker re-checks and renews its lease.
 WAIT_SLICE = 2.0
@@ -295,11 +298,29 @@ def require_transactions(r: Any, key: str | bytes) -> None:
     pipe.exists(key)
     try:
         pipe.execute()
+    except OutOfMemoryError:  # MULTI passed the ACL (checked first); see atomically()
+        return
     except NoPermissionError as exc:
         raise PermissionDeniedError(
             f"the Redis user may not run transactions (MULTI/EXEC), which this needs; nothing "
             f"was changed (see the README's Security section for what each role needs): {exc}"
         ) from exc
+
+
+def atomically(r: Any, queue: Callable[[Any], None]) -> list[Any]:
+    """The replies of the commands ``queue(pipe)`` puts on a pipeline, run as one
+    transaction. At maxmemory Redis refuses every command queued in a transaction, a read or
+    a delete as well: there they run as a plain pipeline, one after another (the tools that
+    free memory must work then; and Redis refuses most writes that could come in between)."""
+    pipe = r.pipeline(transaction=True)
+    queue(pipe)
+    try:
+        return list(pipe.execute())
+    except OutOfMemoryError:
+        logger.debug("at maxmemory: the transaction is sent as a plain pipeline")
+    pipe = r.pipeline(transaction=False)
+    queue(pipe)
+    return list(pipe.execute())
 
 
 def _url_client(url: str) -> redis.Redis:

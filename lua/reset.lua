@@ -22,8 +22,10 @@ for _, entry in ipairs(entries) do
   for _, key in ipairs(entry_keys(base, entry) or {}) do blobs[#blobs + 1] = key end
 end
 blobs[1] = dropped
-discard_spread(base, KEYS[4], entries, now_ms())
+-- a delete first: at maxmemory Redis refuses a script's first write if it needs memory, and
+-- a reset is how a full server is freed
 redis.call('DEL', grads, KEYS[3])
+discard_spread(base, KEYS[4], entries, now_ms())
 redis.call('HSET', state, 'count', 0, 'bytes', 0)
 redis.call('HDEL', state, 'rshape')
 redis.call('HINCRBY', state, 'gen', 1)

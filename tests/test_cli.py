@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytest
+import redis
 
 import accumulator
 from accumulator import _admin, _cli
@@ -888,3 +889,31 @@ def test_cluster_urls_that_cannot_serve_exit_with_a_message(real: Target) -> Non
     if real.kind != "cluster":  # a server that is no cluster node
         err = failed(cli("ls", "--url", "redis+cluster://" + real.url.split("://", 1)[1]), 2)
         assert "no cluster node" in err
+
+
+def test_the_tools_that_free_memory_work_at_maxmemory(own_server: Target) -> None:
+    """At maxmemory Redis refuses every command queued in a transaction (reads and deletes
+    too): show, watch, reset and delete must still work there, in the CLI and the library;
+    a write that needs memory (set-step) is refused our way."""
+    url = own_server.url
+    shape = (3 * (1 << 20) // 4,)
+    for name in ("full", "other"):
+        acc = accumulator.ConditionalAccumulator(np.float32, shape, shared_name=name, client=url)
+        for _ in range(3):
+            acc.apply_grad(np.ones(shape, np.float32))
+        acc.close()
+    r = own_server.redis()
+    r.config_set("maxmemory", 1 << 20)
+    with pytest.raises(redis.exceptions.OutOfMemoryError):
+        r.set("probe", "x")  # (the server is at its limit)
+    assert "full" in ok(cli("--url", url, "show", "full"))
+    assert json.loads(ok(cli("--url", url, "--json", "show", "full")))["count"] == 3
+    ok(cli("--url", url, "watch", "full", "-n", "1"))
+    assert accumulator.describe_accumulator("full", client=url).count == 3
+    failed(cli("--url", url, "set-step", "full", "5", "--yes"), 4)
+    ok(cli("--url", url, "reset", "full", "--yes"))
+    assert accumulator.describe_accumulator("full", client=url).count == 0
+    ok(cli("--url", url, "delete", "full", "--yes"))
+    assert accumulator.delete_accumulator("other", client=url) > 0
+    assert r.keys("acc:*") == []
+    r.config_set("maxmemory", 0)
