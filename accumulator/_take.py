@@ -29,6 +29,7 @@ from ._errors import (
     CancelledError,
     DeadlineExceededError,
     InvalidArgumentError,
+    NotFoundError,
 )
 from ._keys import SCHEMA_VERSION, Keys
 from ._model import AccumulatorModel
@@ -196,7 +197,7 @@ def take(
         except AccumulatorError as exc:
             if (yield Command("take_grad", ("EXISTS", claim_key))):
                 raise
-            raise AccumulatorError(_taken_over_message(acc)) from exc
+            raise (yield from _claim_lost(acc)) from exc
         if cancel is not None and cancel.is_set():  # the last moment to give it back
             raise CancelledError("take_grad was cancelled (its cancel event is set)")
         yield from _finish(acc, taker, claim_key, claim.reader.keys)
@@ -290,6 +291,18 @@ def _leave(acc: AccumulatorModel, taker: str, claim_key: str) -> Ops[None]:
             "accumulator changed since); its gradients are kept in Redis under %s",
             acc._shared_name, claim_key,
         )  # fmt: skip
+
+
+def _claim_lost(acc: AccumulatorModel) -> Ops[AccumulatorError]:
+    """What to raise when a take's claim is gone while it read the round: taken over by
+    another taker, or gone with the whole accumulator."""
+    if (yield Command("take_grad", ("EXISTS", acc._keys.state))):
+        return AccumulatorError(_taken_over_message(acc))
+    return NotFoundError(
+        f"take_grad on {acc._shared_name!r}: the accumulator is gone while this take read its "
+        "round (deleted, or Redis lost its data: restarted without persistence, or failed "
+        "over); this take returns nothing"
+    )
 
 
 def _taken_over_message(acc: AccumulatorModel) -> str:

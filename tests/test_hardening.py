@@ -627,3 +627,23 @@ def test_the_fenced_publish_refuses_garbage_before_any_write(target, case):
     with pytest.raises(refused, match="BADARG|BADKEY|same key slot|CROSSSLOT"):
         _scripts.call(r, "sync_lease", keys, args)
     assert snapshot(r) == before
+
+
+def test_a_take_whose_accumulator_vanishes_while_it_reads_says_so(target, monkeypatch):
+    """Redis restarted empty (or the accumulator was deleted) while a take read its round:
+    a NotFoundError that says so, not 'another taker took the round over'."""
+    acc = make(target, shape=LARGE)
+    acc.apply_grad(np.ones(LARGE))
+    r = target.redis()
+    original = type(acc)._reduce_claim
+
+    def vanish_then_read(self, claim, out):
+        for key in r.scan_iter(match=acc._keys.pattern):
+            r.delete(key)
+        for key in claim.reader.keys:
+            r.delete(key)
+        return (yield from original(self, claim, out))
+
+    monkeypatch.setattr(type(acc), "_reduce_claim", vanish_then_read)
+    with pytest.raises(accumulator.NotFoundError, match="gone while this take read"):
+        acc.take_grad(1, timeout=5)
