@@ -4,7 +4,8 @@ Everything here is about reproducing TensorFlow's accumulator arithmetic bit for
 (float16/float32/float64) and extending it sanely to bfloat16, complex and integer dtypes:
 
 * dense: ``acc = g1; acc = acc + g2; ...`` strictly in apply order, every step rounded to the
-  accumulator dtype, then ``acc / dtype(count)`` for MEAN;
+  accumulator dtype, then ``acc / dtype(count)`` for MEAN (complex: each part divided by the
+  real count; integers: truncating; see :func:`divide`);
 * sparse: per row, the first contribution is copied and later ones are added in apply order;
   MEAN divides each row by its own contribution count.
 
