@@ -29,7 +29,7 @@ from ._admin_job import (
     describe_job,
     parse_worker_counters,
 )
-from ._admin_ops import delete, evict, reset, reset_container, set_step
+from ._admin_ops import check_taker, delete, evict, reset, reset_container, set_step
 from ._admin_read import containers_of, describe, list_accumulators, server_info
 
 __all__ = [
@@ -41,6 +41,7 @@ __all__ = [
     "LeftClaim",
     "Taker",
     "Unreadable",
+    "check_taker",
     "chief_lease_key",
     "containers_of",
     "delete",

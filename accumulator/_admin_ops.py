@@ -52,6 +52,8 @@ def set_step(
     """Set the global step (also downwards); the pending round is kept. Returns the old step."""
     if isinstance(n, bool) or not isinstance(n, int):
         raise InvalidArgumentError(f"the global step must be an integer, got {n!r}")
+    if not -(2**63) <= n < 2**63:
+        raise InvalidArgumentError(f"the global step must fit in an int64, got {n}")
     keys = Keys(container, shared_name, prefix)
     try:
         old = _scripts.call(r, "set_step", [keys.state], [schema_of(r, keys), n])
@@ -131,6 +133,22 @@ def reset_container(r: redis.Redis, container: str, *, prefix: str = DEFAULT_PRE
     return deleted
 
 
+def check_taker(
+    r: redis.Redis, shared_name: str, taker_id: str, container: str = "", *,
+    prefix: str = DEFAULT_PREFIX,
+) -> None:  # fmt: skip
+    """Raise as :func:`evict` would before it changes anything: :class:`InvalidArgumentError`
+    for a malformed taker id, :class:`NotFoundError` when no such taker waits on or holds a
+    round of the accumulator (or there is no accumulator). The CLI asks before it evicts."""
+    keys = Keys(container, shared_name, prefix)
+    if not re.fullmatch(r"[0-9]+-[0-9a-f]+", taker_id):
+        raise InvalidArgumentError(f"not a taker id: {taker_id!r} (e.g. 12345-0a1b2c3d4e5f)")
+    if not r.exists(keys.state):
+        raise _not_found(shared_name, container)
+    if r.zscore(keys.takers, taker_id) is None and not r.exists(keys.claim(taker_id)):
+        raise NotFoundError(f"no taker {taker_id!r} waits on or holds a round of {shared_name!r}")
+
+
 def evict(
     r: redis.Redis,
     shared_name: str,
@@ -152,10 +170,7 @@ def evict(
     """
     keys = Keys(container, shared_name, prefix)
     claim = keys.claim(taker_id)
-    if not re.fullmatch(r"[0-9]+-[0-9a-f]+", taker_id):
-        raise InvalidArgumentError(f"not a taker id: {taker_id!r} (e.g. 12345-0a1b2c3d4e5f)")
-    if not r.exists(keys.state):
-        raise _not_found(shared_name, container)
+    check_taker(r, shared_name, taker_id, container, prefix=prefix)
     waiting = r.zscore(keys.takers, taker_id) is not None
     if drop:
         require_transactions(r, keys.state)

@@ -235,6 +235,7 @@ def _delete(ctx: Context, args: argparse.Namespace) -> int:
 def _evict(ctx: Context, args: argparse.Namespace) -> int:
     r = ctx.connect()
     what = "and delete its claimed round" if args.drop else "(its claimed round, if any, goes back)"
+    _admin.check_taker(r, args.name, args.taker, ctx.scope)  # (asking about none would mislead)
     ctx.confirm(
         f"Evict taker {esc(args.taker, quote=True)} of {_where(args.name, ctx.scope)} {what}?",
         args.yes,

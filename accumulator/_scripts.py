@@ -226,8 +226,8 @@ def translate(exc: Exception, state_key: str | bytes | None = None) -> Exception
     words = text[idx + len(ERROR_PREFIX) :].split()
     what = words[0] if words else ""
     if what == "NOTFOUND":
-        return NotFoundError(f"{_accumulator_of(state_key)} does not exist (deleted, reset or "
-                             "expired)")  # fmt: skip
+        return NotFoundError(f"{_accumulator_of(state_key)} does not exist (deleted, reset, "
+                             "expired, or lost with Redis's data)")  # fmt: skip
     if what == "SCHEMA":
         have = words[1] if len(words) > 1 else "?"
         return SchemaVersionError(

@@ -346,6 +346,11 @@ def test_set_step(make: Callable[..., Any], r: redis.Redis) -> None:
         _admin.set_step(r, "nope", 1)
     with pytest.raises(accumulator.InvalidArgumentError):
         _admin.set_step(r, "steps", True)  # type: ignore[arg-type]
+    for outside in (2**63, -(2**63) - 1, 10**20):
+        with pytest.raises(accumulator.InvalidArgumentError, match="fit in an int64"):
+            _admin.set_step(r, "steps", outside)
+    assert _admin.set_step(r, "steps", 2**63 - 1) == 3
+    assert acc.global_step() == 2**63 - 1
 
 
 def test_reset_drops_pending_gradients(make: Callable[..., Any], r: redis.Redis) -> None:

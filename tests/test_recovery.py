@@ -98,6 +98,11 @@ def test_cli_evict(real):
     assert _cli.main(["--url", target.url, "evict", "r", "4-dead", "--yes"],
                      stdout=out, stderr=err) == 1  # fmt: skip
     assert acc.num_accumulated() == 1
+    # no such taker: said at once, before any question (not "refused" for want of --yes)
+    err = io.StringIO()
+    assert _cli.main(["--url", target.url, "evict", "r", "4-dead"], stdout=out,
+                     stderr=err) == 1  # fmt: skip
+    assert "no taker '4-dead'" in err.getvalue()
 
 
 @pytest.mark.parametrize(
