@@ -34,6 +34,7 @@
 #define RM_APIVER_1 1
 #define RM_READ (1 << 0)
 #define RM_WRITE (1 << 1)
+#define RM_KEYTYPE_EMPTY 0
 #define RM_KEYTYPE_STRING 1
 
 typedef struct RedisModuleCtx RedisModuleCtx;
@@ -178,7 +179,9 @@ static int acc_add(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
             break;
         }
     }
-    if (add == NULL) return RM_ReplyWithError(ctx, "ERR ACC.ADD: unknown dtype");
+    if (add == NULL)
+        return RM_ReplyWithError(ctx, "ERR ACC.ADD: unknown dtype (f32 f64 i8 u8 i16 u16 i32 u32 "
+                                      "i64 u64)");
     n1 = RM_StringPtrLen(argv[1], &nlen1);
     n2 = RM_StringPtrLen(argv[2], &nlen2);
     if (nlen1 == nlen2 && memcmp(n1, n2, nlen1) == 0)
@@ -186,14 +189,18 @@ static int acc_add(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
 
     skey = RM_OpenKey(ctx, argv[2], RM_READ);
     if (skey == NULL || RM_KeyType(skey) != RM_KEYTYPE_STRING) {
+        int empty = skey == NULL || RM_KeyType(skey) == RM_KEYTYPE_EMPTY;
         if (skey) RM_CloseKey(skey);
-        return RM_ReplyWithError(ctx, "ERR ACC.ADD: src is not a string");
+        return RM_ReplyWithError(ctx, empty ? "ERR ACC.ADD: src does not exist"
+                                            : "WRONGTYPE ACC.ADD: src is not a string");
     }
     dkey = RM_OpenKey(ctx, argv[1], RM_READ | RM_WRITE);
     if (dkey == NULL || RM_KeyType(dkey) != RM_KEYTYPE_STRING) {
+        int empty = dkey == NULL || RM_KeyType(dkey) == RM_KEYTYPE_EMPTY;
         if (dkey) RM_CloseKey(dkey);
         RM_CloseKey(skey);
-        return RM_ReplyWithError(ctx, "ERR ACC.ADD: dst is not a string");
+        return RM_ReplyWithError(ctx, empty ? "ERR ACC.ADD: dst does not exist"
+                                            : "WRONGTYPE ACC.ADD: dst is not a string");
     }
     /* lengths first (read-only access: nothing is converted or written yet) */
     src = (const unsigned char *)RM_StringDMA(skey, &slen, RM_READ);
