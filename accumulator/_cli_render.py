@@ -251,7 +251,7 @@ def render_show(info: _admin.Info, prev: _admin.Info | None = None) -> list[str]
                 else:
                     lease = f"{fmt_ms(c.lease_remaining_ms)} left (being read)"
                 rows.append([c.taker_id, step, str(c.count), held, lease, c.key])
-            headers = ["TAKER", "STEP", "GRADIENTS", "BYTES", "LEASE", "KEY"]
+            headers = ["TAKER", "TO STEP", "GRADIENTS", "BYTES", "LEASE", "KEY"]
             lines += ["  " + x for x in table(headers, rows, right=[1, 2])]
         else:
             lines.append("  none")
