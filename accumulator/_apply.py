@@ -50,6 +50,10 @@ def apply(
         sent = yield from _send(acc, payload, shape_token, local_step, first_error,
                                 ident.client_id, ident.seq)  # fmt: skip
         reply, blob, inline, acked, garbage = sent
+    except BaseException:
+        if nbytes > _model.INLINE_MAX_BYTES and not acc.spreads_parts:
+            yield from _withdraw(acc, ident.client_id, ident.seq, nbytes)
+        raise
     finally:
         acc._identities.release(ident)
     code = int(reply[0])
@@ -133,6 +137,22 @@ def _send(
     if durability is not None:
         acked.append(replies.acked)
     return replies[-1], blob, inline, acked, garbage
+
+
+def _withdraw(acc: AccumulatorModel, cid: str, seq: int, nbytes: int) -> Ops[None]:
+    """After an apply of parts failed or was interrupted: delete the parts it may have left
+    (``lua/withdraw.lua``: not if it was counted). Best effort: they expire on their own."""
+    k = acc._keys
+    try:
+        deleted = yield Call("apply_grad (withdrawing)", "withdraw",
+                             [k.state, k.dedup(cid), k.blob(cid, seq)], [seq, nbytes])  # fmt: skip
+    except Exception:  # noqa: BLE001 - the apply's own error is the one to raise
+        logger.debug("withdrawing the parts of a failed apply of %r failed",
+                     acc._shared_name, exc_info=True)  # fmt: skip
+        return
+    if int(deleted):
+        logger.debug("apply_grad on %r: deleted %d parts of the abandoned apply",
+                     acc._shared_name, int(deleted))  # fmt: skip
 
 
 def _send_spread(

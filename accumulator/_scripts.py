@@ -37,8 +37,8 @@ logger = logging.getLogger("accumulator")
 #: The accumulators' scripts, registered (:func:`load_commands`) when an accumulator opens. The
 #: sync helper's own (``sync_lease``, ``sync_count``: keys of ``accumulator.sync``, not an
 #: accumulator's) are called by name too and loaded on first use (NOSCRIPT).
-NAMES = ("open", "apply", "fold", "take", "finish", "leave", "set_step", "reset", "orphans",
-         "seal")
+NAMES = ("open", "apply", "withdraw", "fold", "take", "finish", "leave", "set_step", "reset",
+         "orphans", "seal")
 ERROR_PREFIX = "ACCERR "
 
 

@@ -506,6 +506,48 @@ def test_keys_helper_recognises_only_own_blob_keys():
         assert k.entry_keys(bad_entry) is None, bad_entry
 
 
+@pytest.mark.parametrize(
+    "case", ["state key", "foreign dedup", "foreign blob", "other's blob", "seq", "bytes",
+             "too many parts"],
+)  # fmt: skip
+def test_the_withdraw_refuses_garbage_before_any_write(target, case):
+    """``lua/withdraw.lua`` deletes only the parts of its own accumulator's payload: garbage
+    in its keys or arguments is refused before anything is deleted."""
+    acc = make(target, shape=LARGE)
+    k = acc._keys
+    r = target.redis()
+    blob = k.blob("ab", 1)
+    for i in range(2):
+        r.set(k.part(blob, i), b"x", px=60_000)
+    r.set("prod:secret", b"s")
+    keys, args = [k.state, k.dedup("ab"), blob], ["1", 2 << 20]
+    if case == "state key":
+        keys[0] = k.grads
+    elif case == "foreign dedup":
+        keys[1] = "prod:secret"
+    elif case == "foreign blob":
+        keys[2] = "prod:secret"
+    elif case == "other's blob":
+        keys[2] = Keys("", "other").blob("ab", 1)
+    elif case == "seq":
+        args[0] = "1; DEL"
+    elif case == "bytes":
+        args[1] = "-5"
+    else:
+        args[1] = 1 << 50
+    before = snapshot(r)
+    if target.kind == "cluster" and case in ("foreign dedup", "foreign blob", "other's blob"):
+        refusal: Any = pytest.raises(redis.exceptions.RedisClusterException, match="same key slot")
+    else:
+        refusal = pytest.raises(accumulator.AccumulatorError, match="BADARG|BADKEY")
+    with refusal:
+        _scripts.call(r, "withdraw", keys, args)
+    assert snapshot(r) == before
+    # (and the call itself, right, deletes exactly those two parts)
+    assert int(_scripts.call(r, "withdraw", [k.state, k.dedup("ab"), blob], ["1", 2 << 20])) == 2
+    assert r.get("prod:secret") == b"s"
+
+
 @pytest.mark.parametrize("case", ["state key", "step", "schema"])
 def test_the_seal_refuses_garbage_before_any_write(target, case):
     """``lua/seal.lua`` (a finished sync job's accumulators) checks its key and input."""
@@ -647,3 +689,35 @@ def test_a_take_whose_accumulator_vanishes_while_it_reads_says_so(target, monkey
     monkeypatch.setattr(type(acc), "_reduce_claim", vanish_then_read)
     with pytest.raises(accumulator.NotFoundError, match="gone while this take read"):
         acc.take_grad(1, timeout=5)
+
+
+@pytest.mark.parametrize("when", ["parts sent", "counted, reply lost"])
+def test_an_apply_interrupted_half_way_leaves_no_parts_unless_counted(target, monkeypatch, when):
+    """Ctrl-C while an apply sends its parts: what it wrote is deleted at once (it stayed an
+    hour). Interrupted after its script counted it (the reply not read yet): nothing is
+    deleted, and the round holds the gradient."""
+    from accumulator import _apply
+    from accumulator._requests import Batch
+
+    shape = (3 * (1 << 20) // 4,)
+    acc = make(target, shape=shape)
+    if acc.spreads_parts:
+        pytest.skip("spread parts are registered, and swept, apart (test_spread.py)")
+    r = target.redis()
+    before = snapshot(r, acc._keys.pattern)
+
+    def interrupted(what, commands, durability, key):
+        sent = commands[:-1] if when == "parts sent" else commands
+        yield Batch(what, sent, raise_on_error=False, commit=True)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_apply, "committed", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        acc.apply_grad(np.ones(shape))
+    monkeypatch.undo()
+    if when == "parts sent":
+        assert snapshot(r, acc._keys.pattern) == before
+        assert acc.num_accumulated() == 0
+    else:
+        assert acc.num_accumulated() == 1
+        np.testing.assert_array_equal(acc.take_grad(1, timeout=5), np.ones(shape))
