@@ -133,7 +133,9 @@ def _send(
             for i, (start, stop) in enumerate(_chunks.part_ranges(nbytes))
         ]  # fmt: skip
     commands.append(tuple(_scripts.evalsha_args("apply", keys, args)))
-    replies = yield from committed("apply_grad", commands, durability, k.state)
+    # the script's answer decides: a part refused by a retried batch (maxmemory) whose
+    # script answers that the apply was counted is no failure
+    replies = yield from committed("apply_grad", commands, durability, k.state, by_last=True)
     if durability is not None:
         acked.append(replies.acked)
     return replies[-1], blob, inline, acked, garbage
@@ -233,12 +235,14 @@ class Replies(list[Any]):
 
 
 def committed(
-    what: str, commands: list[tuple[Any, ...]], durability: Durability | None, key: str
-) -> Ops[Replies]:
+    what: str, commands: list[tuple[Any, ...]], durability: Durability | None, key: str,
+    *, by_last: bool = False,
+) -> Ops[Replies]:  # fmt: skip
     """Send a commit's commands in one batch, followed by the durability wait on the same
     connection (on a cluster: of the node serving ``key``, the accumulator's slot); error
     replies raise (a payload part's refusal, OOM or ACL, before the script's: it explains
-    best)."""
+    best). ``by_last``: the last command (the script) decides: when it succeeded, errors
+    before it do not raise."""
     node_key = None
     if durability is not None:
         commands = [*commands, durability.command()]
@@ -249,7 +253,8 @@ def committed(
         acked = replies.pop()
         # a wait that failed confirmed nothing
         replies.acked = durability.unconfirmed() if isinstance(acked, Exception) else acked
-    failed = first_error(replies)
+    decided = by_last and replies and not isinstance(replies[-1], Exception)
+    failed = None if decided else first_error(replies)
     if failed is not None:
         raise failed
     return replies

@@ -706,7 +706,7 @@ def test_an_apply_interrupted_half_way_leaves_no_parts_unless_counted(target, mo
     r = target.redis()
     before = snapshot(r, acc._keys.pattern)
 
-    def interrupted(what, commands, durability, key):
+    def interrupted(what, commands, durability, key, **kwargs):
         sent = commands[:-1] if when == "parts sent" else commands
         yield Batch(what, sent, raise_on_error=False, commit=True)
         raise KeyboardInterrupt
@@ -721,3 +721,32 @@ def test_an_apply_interrupted_half_way_leaves_no_parts_unless_counted(target, mo
     else:
         assert acc.num_accumulated() == 1
         np.testing.assert_array_equal(acc.take_grad(1, timeout=5), np.ones(shape))
+
+
+def test_a_retried_apply_refused_parts_at_maxmemory_but_counted_returns_true(real, monkeypatch):
+    """A batch sent again after a lost reply, with Redis at maxmemory by then: its parts'
+    SET NX are refused, and its script answers that the apply was counted. That answer
+    decides (it raised 'nothing was changed', inviting an apply of the same gradient again)."""
+    from accumulator import _apply
+    from accumulator._requests import Batch
+
+    shape = (3 * (1 << 20) // 4,)
+    acc = make(real, shape=shape)
+    if acc.spreads_parts:
+        pytest.skip("spread parts are written and checked apart")
+    r = real.redis()
+    original = _apply.committed
+
+    def lost_then_retried(what, commands, durability, key, **kwargs):
+        yield Batch(what, commands, raise_on_error=False, commit=True)  # its reply lost
+        r.config_set("maxmemory", 1)
+        try:
+            return (yield from original(what, commands, durability, key, **kwargs))
+        finally:
+            r.config_set("maxmemory", 0)
+
+    monkeypatch.setattr(_apply, "committed", lost_then_retried)
+    assert acc.apply_grad(np.ones(shape)) is True
+    monkeypatch.undo()
+    assert acc.num_accumulated() == 1
+    np.testing.assert_array_equal(acc.take_grad(1, timeout=5), np.ones(shape))
