@@ -2,9 +2,9 @@
 
 A handle is the accumulator object itself: these functions are a thin layer over
 :class:`ConditionalAccumulator` and :class:`SparseConditionalAccumulator`. Where TF crashes
-or half-applies (a gradient or take dtype that does not match the handle, non-scalar step
-arguments), these raise :class:`InvalidArgumentError` and change nothing. The apply ops
-return ``True`` / ``False`` (accepted / dropped as stale) where TF returns nothing.
+or half-applies (a dtype that does not match the handle, non-scalar step arguments), these
+raise :class:`InvalidArgumentError` and change nothing. The apply ops return ``True`` /
+``False`` (accepted / dropped as stale) where TF returns nothing.
 """
 
 from __future__ import annotations
@@ -99,30 +99,6 @@ def _handle(handle: Any, kind: type[_A]) -> _A:
     return handle
 
 
-def _check_gradient_dtype(handle: AccumulatorBase, gradient: Any) -> None:
-    """A gradient that has a dtype (an array, a tensor) must have the handle's: TF's op takes
-    its dtype from the gradient and crashes when it is not the accumulator's. Python lists
-    and scalars (no dtype) are converted, as the classes do."""
-    dtype = getattr(gradient, "dtype", None)
-    if dtype is None:
-        return
-    try:
-        have = resolve_dtype(dtype)
-    except InvalidArgumentError:
-        return  # not a dtype we know: apply_grad says what is wrong with the gradient
-    if have.name != handle.dtype.name:
-        raise InvalidArgumentError(
-            f"the gradient's dtype is {have.name}, the accumulator's {handle.dtype.name}: a raw "
-            "apply op takes the accumulator's dtype only (cast the gradient first)"
-        )
-
-
-def _stale(handle: AccumulatorBase, local_step: Any) -> bool:
-    """Whether ``local_step`` is behind the global step (one read). TF's kernels drop a stale
-    gradient before they check it."""
-    return scalar_int(local_step, "local_step") < handle.global_step()
-
-
 def _check_dtype(handle: AccumulatorBase, dtype: Any) -> None:
     wanted = resolve_dtype(dtype)
     if wanted != handle.dtype:
@@ -135,17 +111,8 @@ def AccumulatorApplyGradient(  # noqa: N802
     handle: Any, local_step: Any, gradient: Any, name: str | None = None
 ) -> bool:
     """TF's ``AccumulatorApplyGradient``: :meth:`ConditionalAccumulator.apply_grad` of the
-    dense accumulator ``handle`` names; ``False`` when dropped as stale. As TF's kernel, a
-    stale gradient is dropped before it is checked (a wrong shape too); a gradient of another
-    dtype than the accumulator's is an :class:`InvalidArgumentError` (TF crashes)."""
-    acc = _handle(handle, _Dense)
-    _check_gradient_dtype(acc, gradient)
-    try:
-        return acc.apply_grad(gradient, local_step=local_step)
-    except InvalidArgumentError:
-        if _stale(acc, local_step):
-            return False
-        raise
+    dense accumulator ``handle`` names; ``False`` when dropped as stale."""
+    return _handle(handle, _Dense).apply_grad(gradient, local_step=local_step)
 
 
 ResourceAccumulatorApplyGradient = AccumulatorApplyGradient
@@ -172,9 +139,7 @@ def SparseAccumulatorApplyGradient(  # noqa: N802
             f"has_known_shape must be a boolean scalar, got {has_known_shape!r}"
         )
     known = bool(flag)
-    acc = _handle(handle, _Sparse)
-    _check_gradient_dtype(acc, gradient_values)
-    return acc.apply_grad(
+    return _handle(handle, _Sparse).apply_grad(
         gradient_indices, gradient_values, gradient_shape if known else None, local_step
     )
 

@@ -297,36 +297,6 @@ def test_take_with_another_dtype_is_a_signature_mismatch(target, wrong):
     assert raw_ops.SparseAccumulatorTakeGradient(s, 1, np.float32).indices.tolist() == [1]
 
 
-@pytest.mark.parametrize("wrong", [np.float64, np.float16, np.int64, np.int32])
-def test_apply_of_another_dtype_is_refused(target, wrong):
-    """TF's raw apply ops take their dtype from the gradient, and crash on a handle of another
-    dtype: ours refuse it, nothing applied. A list (no dtype) is converted."""
-    d = dense(target)
-    err = unchanged(d, lambda: raw_ops.AccumulatorApplyGradient(d, 0, np.ones(2, wrong)))
-    assert f"dtype is {np.dtype(wrong).name}, the accumulator's float32" in str(err)
-    s = sparse(target)
-    err = unchanged(s, lambda: raw_ops.SparseAccumulatorApplyGradient(
-        s, 0, [1], np.ones((1, 2), wrong), [4, 2], True))  # fmt: skip
-    assert "the accumulator's float32" in str(err)
-    assert raw_ops.AccumulatorApplyGradient(d, 0, [1, 2])  # (ints: converted)
-    assert raw_ops.AccumulatorApplyGradient(d, 0, np.ones(2, ">f4"))  # (byte order aside)
-    assert raw_ops.AccumulatorNumAccumulated(d) == 2
-
-
-def test_a_stale_gradient_is_dropped_before_it_is_checked(target):
-    """TF's kernels drop a stale gradient before they validate it: a wrong shape at a stale
-    step is dropped (False), and the same at the current step is refused."""
-    d = dense(target)
-    raw_ops.AccumulatorSetGlobalStep(d, 5)
-    assert raw_ops.AccumulatorApplyGradient(d, 1, np.ones(3, np.float32)) is False
-    unchanged(d, lambda: raw_ops.AccumulatorApplyGradient(d, 5, np.ones(3, np.float32)))
-    s = sparse(target)
-    raw_ops.AccumulatorSetGlobalStep(s, 5)
-    assert raw_ops.SparseAccumulatorApplyGradient(s, 1, [9], np.ones((1, 2), np.float32),
-                                                  [4, 2], True) is False  # fmt: skip
-    assert raw_ops.AccumulatorNumAccumulated(d) == raw_ops.AccumulatorNumAccumulated(s) == 0
-
-
 def test_dtype_spellings_that_match_are_fine(target):
     d = dense(target, dtype=np.float64)
     for spelling in (np.float64, "float64", np.dtype("float64"), "double", float):
