@@ -2,9 +2,10 @@
 
 A handle is the accumulator object itself: these functions are a thin layer over
 :class:`ConditionalAccumulator` and :class:`SparseConditionalAccumulator`. Where TF crashes
-or half-applies (a dtype that does not match the handle, non-scalar step arguments), these
-raise :class:`InvalidArgumentError` and change nothing. The apply ops return ``True`` /
-``False`` (accepted / dropped as stale) where TF returns nothing.
+or half-applies (a take dtype that does not match the handle, non-scalar step arguments),
+these raise :class:`InvalidArgumentError` and change nothing. The apply ops are the classes'
+``apply_grad`` (the gradient cast to the handle's dtype with numpy's ``same_kind`` rule),
+and return ``True`` / ``False`` (accepted / dropped as stale) where TF returns nothing.
 """
 
 from __future__ import annotations
