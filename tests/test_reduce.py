@@ -686,3 +686,14 @@ def test_a_signaling_nan_does_not_hide_a_small_value(dtype):
         got = dense_reduce([a, b], dt, "SUM")
         assert got[0] == tiny and np.isnan(got[1])
         assert _reduce._has_small(np.array([sub, snan[0]], dt), dt)
+        # ... also where fmin.reduce skipped both (CI's hypothesis example: the subnormal
+        # first, the sNaN and a larger normal value later in the block)
+        sub_bits = 0x10000 if dt.itemsize == 4 else 0x1000000000000
+        a = np.zeros(24, dt)
+        a[0] = np.array([sub_bits], utype).view(dt)[0]
+        b = np.zeros(24, dt)
+        b[22], b[23] = snan[0], np.array([0x0D000000 if dt.itemsize == 4 else 0x0D00000000000000],
+                                         utype).view(dt)[0]  # fmt: skip
+        got = dense_reduce([a, b], dt, "SUM")
+        assert got[0] == 0 and np.isnan(got[22]) and got[23] == b[23]
+        assert _reduce._has_small(np.concatenate([a, b]), dt)
