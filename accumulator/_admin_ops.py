@@ -136,17 +136,20 @@ def reset_container(r: redis.Redis, container: str, *, prefix: str = DEFAULT_PRE
 def check_taker(
     r: redis.Redis, shared_name: str, taker_id: str, container: str = "", *,
     prefix: str = DEFAULT_PREFIX,
-) -> None:  # fmt: skip
+) -> bool:  # fmt: skip
     """Raise as :func:`evict` would before it changes anything: :class:`InvalidArgumentError`
     for a malformed taker id, :class:`NotFoundError` when no such taker waits on or holds a
-    round of the accumulator (or there is no accumulator). The CLI asks before it evicts."""
+    round of the accumulator (or there is no accumulator). The CLI asks before it evicts.
+    Returns whether the taker waits in the FIFO (else it holds a claim)."""
     keys = Keys(container, shared_name, prefix)
     if not re.fullmatch(r"[0-9]+-[0-9a-f]+", taker_id):
         raise InvalidArgumentError(f"not a taker id: {taker_id!r} (e.g. 12345-0a1b2c3d4e5f)")
     if not r.exists(keys.state):
         raise _not_found(shared_name, container)
-    if r.zscore(keys.takers, taker_id) is None and not r.exists(keys.claim(taker_id)):
+    waiting = r.zscore(keys.takers, taker_id) is not None
+    if not waiting and not r.exists(keys.claim(taker_id)):
         raise NotFoundError(f"no taker {taker_id!r} waits on or holds a round of {shared_name!r}")
+    return waiting
 
 
 def evict(
@@ -170,8 +173,7 @@ def evict(
     """
     keys = Keys(container, shared_name, prefix)
     claim = keys.claim(taker_id)
-    check_taker(r, shared_name, taker_id, container, prefix=prefix)
-    waiting = r.zscore(keys.takers, taker_id) is not None
+    waiting = check_taker(r, shared_name, taker_id, container, prefix=prefix)
     if drop:
         require_transactions(r, keys.state)
         with r.pipeline(transaction=True) as pipe:

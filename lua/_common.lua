@@ -240,10 +240,12 @@ local function count_in_sum(grads, sum)
 end
 
 -- UNLINK any number of keys (Lua's unpack stops at a few thousand values).
-local function unlink_all(keys)
+local function unlink_all(keys)  -- returns how many existed
+  local deleted = 0
   for i = 1, #keys, 1000 do
-    redis.call('UNLINK', unpack(keys, i, math.min(i + 999, #keys)))
+    deleted = deleted + redis.call('UNLINK', unpack(keys, i, math.min(i + 999, #keys)))
   end
+  return deleted
 end
 
 -- dst[doff + j] += src[j] for j = 1 .. m, in place (the accsum module, dtype its name), then

@@ -18,9 +18,4 @@ if err then return err end
 local prev = redis.pcall('GET', dedup)
 if type(prev) == 'table' then return refused('GET', dedup, prev.err) end
 if prev and string.match(prev, '^(%d+)') == seq then return 0 end
-local keys = entry_keys(base, 'p' .. int_str(parts) .. ' ' .. blob)
-local deleted = 0
-for i = 1, #keys, 1000 do
-  deleted = deleted + redis.call('UNLINK', unpack(keys, i, math.min(i + 999, #keys)))
-end
-return deleted
+return unlink_all(entry_keys(base, 'p' .. int_str(parts) .. ' ' .. blob))

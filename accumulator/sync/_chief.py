@@ -446,7 +446,7 @@ class ParameterServer(_Job):
             return self._finish_step(self._unpublished or final)
         learning_rates(update, self._specs)  # refused before anything is taken
         # every parameter's take at once: their script calls share round trips
-        todo = [spec for spec in self._specs if spec.name not in self._taken]
+        todo: list[Any] = []  # the parameters this round of takes is for (set below)
 
         def taken(i: int, outcome: tuple[bool, Any]) -> None:  # kept even if interrupted
             if outcome[0]:
@@ -454,6 +454,7 @@ class ParameterServer(_Job):
 
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
+            todo = [spec for spec in self._specs if spec.name not in self._taken]
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             # the takes stop (giving back what they claimed) while the lease may have run out
             outcomes = run_together([
@@ -474,7 +475,6 @@ class ParameterServer(_Job):
                 "gave their rounds back; renewing it", self.job, self._lease.since_renewed(),
             )  # fmt: skip
             self._lease.check(renew=True)
-            todo = [spec for spec in self._specs if spec.name not in self._taken]
         late = [(spec, exc) for spec, exc in failures if isinstance(exc, DeadlineExceededError)]
         if late:
             kept = sorted(self._taken)
