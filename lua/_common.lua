@@ -54,13 +54,15 @@ local function now_ms()
 end
 
 -- Private accumulators expire as a safety net; every write renews the deadline.
--- ttl: the state's 'ttl' field when the caller has read it already.
+-- ttl: the state's 'ttl' field when the caller has read it already. Returns the ttl as a
+-- number and as the field's text (numbers given to redis.call cost a printf each).
 local function touch(state, keys, ttl)
-  ttl = tonumber(ttl or redis.call('HGET', state, 'ttl') or '0')
-  if ttl > 0 then
+  ttl = ttl or redis.call('HGET', state, 'ttl') or '0'
+  local ms = tonumber(ttl)
+  if ms > 0 then
     for _, key in ipairs(keys) do redis.call('PEXPIRE', key, ttl) end
   end
-  return ttl
+  return ms, ttl
 end
 
 -- Taker info is "<num_required> <lease expiry ms> <joined ms>".
@@ -75,16 +77,20 @@ local function wake_queue(channel)
   redis.call('PUBLISH', channel, '1')
 end
 
--- count: the round's count when the caller knows it.
-local function wake_head(state, takers, info_key, wake, count)
-  local head = redis.call('ZRANGE', takers, 0, 0)[1]
-  if not head then return end
-  local info = redis.call('HGET', info_key, head)
-  if not info then return end
+-- count: the round's count when the caller knows it. best_effort: the caller has not checked
+-- the types of takers, info_key and wake; a foreign value there means no wake (pcalls).
+local function wake_head(state, takers, info_key, wake, count, best_effort)
+  local call = best_effort and redis.pcall or redis.call
+  local head = call('ZRANGE', takers, '0', '0')
+  head = type(head) == 'table' and head[1]
+  if type(head) ~= 'string' then return end
+  local info = call('HGET', info_key, head)
+  if type(info) ~= 'string' then return end
   local n = taker_info(info)
-  if tonumber(count or redis.call('HGET', state, 'count')) >= n then
-    redis.call('RPUSH', wake, '1')
-    redis.call('LTRIM', wake, -1, -1)
+  if n and tonumber(count or redis.call('HGET', state, 'count')) >= n then
+    if type(call('RPUSH', wake, '1')) == 'number' then
+      redis.call('LTRIM', wake, '-1', '-1')
+    end
   end
 end
 
@@ -235,7 +241,7 @@ end
 
 -- The round's running sum (its first entry, 's<w> <n> <blob>') now holds one more gradient.
 local function count_in_sum(grads, sum)
-  redis.call('LSET', grads, 0, 's' .. int_str(entry_weight(sum) + 1) .. ' ' ..
+  redis.call('LSET', grads, '0', 's' .. int_str(entry_weight(sum) + 1) .. ' ' ..
     string.match(sum, '^s%d+ (.+)$'))
 end
 
@@ -288,34 +294,42 @@ end
 -- type, key, type, ...}; a missing key is fine. Each key is probed with a read of its type
 -- that moves nothing (not TYPE: the roles in the README's Security section, and deployments
 -- made from them, do not grant it). nil, or the BADTYPE error reply.
-local TYPE_PROBES = {list = {'LRANGE', 1, 0}, zset = {'ZCARD'}, hash = {'HGET', ''},
+local TYPE_PROBES = {list = {'LRANGE', '1', '0'}, zset = {'ZCARD'}, hash = {'HGET', ''},
   string = {'STRLEN'}}
+-- The error reply for a pcall on key that failed with err: BADTYPE when the key holds a value
+-- of another type than kind, our NOPERM when the ACL refused it, else the error as it is.
+local function probe_error(command, key, kind, err)
+  local text = tostring(err)  -- (a string; fakeredis's Lua gives a userdata)
+  if string.find(text, 'WRONGTYPE', 1, true) then
+    return acc_error('BADTYPE ' .. key .. ' ' .. kind)
+  end
+  return refused(command, key, err)
+end
+
 local function check_types(checks)
   for i = 1, #checks, 2 do
     local key, probe = checks[i], TYPE_PROBES[checks[i + 1]]
     local r = redis.pcall(probe[1], key, unpack(probe, 2))
-    if type(r) == 'table' and r.err then
-      local text = tostring(r.err)  -- (a string; fakeredis's Lua gives a userdata)
-      if string.find(text, 'WRONGTYPE', 1, true) then
-        return acc_error('BADTYPE ' .. key .. ' ' .. checks[i + 1])
-      end
-      return refused(probe[1], key, r.err)
-    end
+    if type(r) == 'table' and r.err then return probe_error(probe[1], key, checks[i + 1], r.err) end
   end
   return nil
 end
 
 -- Permission checks before the first write: a script that fails half-way leaves its earlier
--- writes in place (Redis scripts do not roll back). checks = {{command, key or channel}, ...}.
+-- writes in place (Redis scripts do not roll back). checks = {command, key or channel (false:
+-- none), command, key, ...}: one table, not one per check (tables cost Redis's thread).
 -- Servers without redis.acl_check_cmd (before 7.0, fakeredis) have no ACL selectors to fear.
 local function check_acl(checks)
-  if not redis.acl_check_cmd then return nil end
-  for _, c in ipairs(checks) do
+  local allowed = redis.acl_check_cmd
+  if not allowed then return nil end
+  for i = 1, #checks, 2 do
+    local command, key = checks[i], checks[i + 1]
     local ok
-    if c[1] == 'PUBLISH' then ok = redis.acl_check_cmd('PUBLISH', c[2], '1')
-    elseif c[2] == nil then ok = redis.acl_check_cmd(c[1])
-    else ok = redis.acl_check_cmd(c[1], c[2]) end
-    if not ok then return acc_error('NOPERM ' .. c[1] .. ' ' .. (c[2] or '-')) end
+    if command == 'PUBLISH' then ok = allowed('PUBLISH', key, '1')
+    elseif not key then ok = allowed(command)
+    else ok = allowed(command, key) end
+    if not ok then return acc_error('NOPERM ' .. command .. ' ' .. (key or '-')) end
   end
   return nil
 end
+

@@ -25,9 +25,9 @@ end
 for i = 6, #KEYS do
   if not (is_own(base, KEYS[i], 'b') or is_own(base, KEYS[i], 'p')) then return acc_error('BADKEY ' .. i) end
 end
-local err = check_acl({{'HDEL', KEYS[3]}, {'ZADD', done}, {'ZREMRANGEBYSCORE', done},
-  {'PEXPIRE', done}, {'UNLINK', claim}, {'UNLINK', base .. ':b:0:0'}, {'LRANGE', claim},
-  {'ZADD', KEYS[5]}})
+local err = check_acl({'HDEL', KEYS[3], 'ZADD', done, 'ZREMRANGEBYSCORE', done,
+  'PEXPIRE', done, 'UNLINK', claim, 'UNLINK', base .. ':b:0:0', 'LRANGE', claim,
+  'ZADD', KEYS[5]})
 if err then return err end
 err = check_types({KEYS[3], 'hash', done, 'zset', claim, 'list', KEYS[5], 'zset'})
 if err then return err end
@@ -44,7 +44,7 @@ redis.call('ZREMRANGEBYSCORE', done, '-inf', '(' .. int_str(now - FINISH_MEMORY_
 redis.call('PEXPIRE', done, FINISH_MEMORY_MS)
 local garbage = {}
 if ARGV[2] ~= '0' then
-  garbage = discard_spread(base, KEYS[5], redis.call('LRANGE', claim, 1, -1), now + SWEEP_LEASE_MS)
+  garbage = discard_spread(base, KEYS[5], redis.call('LRANGE', claim, '1', '-1'), now + SWEEP_LEASE_MS)
 end
 local keys = {claim}
 for i = 6, #KEYS do keys[#keys + 1] = KEYS[i] end

@@ -16,16 +16,16 @@ if not is_own(base, blob, 'b') or not is_count(ARGV[3]) or tonumber(ARGV[3]) < 1
 end
 local err, st = read_state(state, ARGV[1], {'sum', 'bytes', 'ttl'})
 if err then return err end
-err = check_acl({{'LRANGE', grads}, {'LSET', grads}, {'LREM', grads}, {'UNLINK', blob},
-  {'HSET', state}, {'STRLEN', blob}})
+err = check_acl({'LRANGE', grads, 'LSET', grads, 'LREM', grads, 'UNLINK', blob,
+  'HSET', state, 'STRLEN', blob})
 if err then return err end
 if not st.sum then return 0 end
 local probe = redis.pcall('ACC.PING')
 if type(probe) == 'table' and probe.err then return 0 end  -- no module: the taker reads it
-err = check_acl({{'ACC.ADD', blob}})
+err = check_acl({'ACC.ADD', blob})
 if err then return err end
 
-local entries = redis.call('LRANGE', grads, 0, -1)
+local entries = redis.call('LRANGE', grads, '0', '-1')
 local at, k, n
 for i, entry in ipairs(entries) do
   local ek, en, eblob = string.match(entry, '^f(%d+) (%d+) (.+)$')
@@ -51,7 +51,7 @@ end
 -- folded in: the sum holds one more gradient, the round no longer holds this one apart
 local nbytes = (n - 1) * CHUNK + redis.call('STRLEN', skeys[n])
 redis.call('LSET', grads, at - 1, '\0folded')
-redis.call('LREM', grads, 1, '\0folded')
+redis.call('LREM', grads, '1', '\0folded')
 count_in_sum(grads, sum)
 redis.call('HSET', state, 'bytes', int_str(math.max(0, tonumber(st.bytes) - nbytes)))
 return 0

@@ -17,17 +17,17 @@ if claim ~= base .. ':c:' .. me or not is_own(base, claim, 'c') then
 end
 local state = KEYS[1]
 local some_blob = base .. ':b:0:0'
-local err = check_acl({{'ZREM', takers}, {'HDEL', KEYS[3]}, {'DEL', KEYS[4]},
-  {'PUBLISH', KEYS[5]}, {'LPOP', claim}, {'RPUSH', claim}, {'RENAME', claim},
-  {'PERSIST', claim}, {'PERSIST', grads}, {'PEXPIRE', grads}, {'PERSIST', some_blob},
-  {'PEXPIRE', some_blob}, {'HSET', state}, {'HINCRBY', state}, {'RPUSH', KEYS[4]},
-  {'LTRIM', KEYS[4]}, {'HDEL', KEYS[8]}, {'HSET', KEYS[8]}})
+local err = check_acl({'ZREM', takers, 'HDEL', KEYS[3], 'DEL', KEYS[4],
+  'PUBLISH', KEYS[5], 'LPOP', claim, 'RPUSH', claim, 'RENAME', claim,
+  'PERSIST', claim, 'PERSIST', grads, 'PEXPIRE', grads, 'PERSIST', some_blob,
+  'PEXPIRE', some_blob, 'HSET', state, 'HINCRBY', state, 'RPUSH', KEYS[4],
+  'LTRIM', KEYS[4], 'HDEL', KEYS[8], 'HSET', KEYS[8]})
 if err then return err end
 err = check_types({takers, 'zset', KEYS[3], 'hash', KEYS[4], 'list', claim, 'list',
   grads, 'list', KEYS[8], 'hash'})
 if err then return err end
 
-local head = redis.call('ZRANGE', takers, 0, 0)[1]
+local head = redis.call('ZRANGE', takers, '0', '0')[1]
 redis.call('ZREM', takers, me)
 redis.call('HDEL', KEYS[3], me)
 if head == me then
@@ -36,7 +36,7 @@ if head == me then
 end
 
 redis.call('HDEL', KEYS[8], me)  -- no longer leased: given back below, or kept for inspection
-local entries = redis.call('LRANGE', claim, 0, -1)
+local entries = redis.call('LRANGE', claim, '0', '-1')
 if #entries == 0 then return 0 end
 local function keep()
   -- handed to the next taker at the head of the FIFO as it is (its step was advanced)
@@ -55,20 +55,20 @@ if flag == '1' and count > 0 and st.rshape and st.rshape ~= rshape then return k
 
 -- The claimed entries go back in front of any gradients applied since (at the new step:
 -- future steps for the restored one, accepted as TF accepts them).
-local since = redis.call('LRANGE', grads, 0, -1)
+local since = redis.call('LRANGE', grads, '0', '-1')
 redis.call('LPOP', claim)
 for _, entry in ipairs(since) do redis.call('RPUSH', claim, entry) end
 redis.call('RENAME', claim, grads)
-local ttl = touch(state, {grads}, st.ttl)
+local ttl, ttl_text = touch(state, {grads}, st.ttl)
 if ttl == 0 then redis.call('PERSIST', grads) end
 for i = 2, #entries do
   for _, key in ipairs(entry_keys(base, entries[i]) or {}) do
     -- a reading take may have set a short expiry on it (freed by the next take)
-    if ttl > 0 then redis.call('PEXPIRE', key, ttl) else redis.call('PERSIST', key) end
+    if ttl > 0 then redis.call('PEXPIRE', key, ttl_text) else redis.call('PERSIST', key) end
   end
 end
 count = count + tonumber(hcount)
-redis.call('HINCRBY', state, 'step', -1)
+redis.call('HINCRBY', state, 'step', '-1')
 redis.call('HSET', state, 'count', int_str(count),
   'bytes', int_str(tonumber(st.bytes) + tonumber(hbytes)),
   'gen', int_str(tonumber(hgen) - 1), 'n_taken', int_str(tonumber(st.n_taken) - 1),

@@ -20,7 +20,7 @@ local have = redis.pcall('HGET', state, 'schema')
 if type(have) == 'table' and have.err then return refused('HGET', state, have.err) end
 if have then
   if have ~= '2' and have ~= '3' then return acc_error('SCHEMA ' .. have) end
-  local err = check_acl({{'HSET', state}, {'HSETNX', state}, {'HMGET', state}})
+  local err = check_acl({'HSET', state, 'HSETNX', state, 'HMGET', state})
   if err then return err end
   if ARGV[5] == '1' then
     redis.call('HSET', state, 'maxbytes', ARGV[4])
@@ -30,7 +30,7 @@ if have then
   local stored = redis.call('HMGET', state, 'def', 'sum')
   return {0, stored[1], stored[2] or '', have}
 end
-local err = check_acl({{'HSET', state}, {'PEXPIRE', state}, {'HGET', state}})
+local err = check_acl({'HSET', state, 'PEXPIRE', state, 'HGET', state})
 if err then return err end
 redis.call('HSET', state,
   'schema', ARGV[1], 'def', ARGV[2], 'step', 0, 'count', 0, 'gen', 0, 'tseq', 0, 'bytes', 0,

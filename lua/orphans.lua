@@ -19,7 +19,7 @@ if not (is_count(ARGV[3]) and is_count(ARGV[4]) and tonumber(ARGV[4]) <= 1000
 end
 local err = check_schema(KEYS[1], ARGV[1])
 if err then return err end
-err = check_acl({{'ZADD', orphans}, {'ZREM', orphans}, {'ZRANGEBYSCORE', orphans}})
+err = check_acl({'ZADD', orphans, 'ZREM', orphans, 'ZRANGEBYSCORE', orphans})
 if err then return err end
 err = check_types({orphans, 'zset'})
 if err then return err end

@@ -12,10 +12,10 @@ local base, kerr = own_keys({':g', ':x', ':o'})
 if not base then return kerr end
 local err = check_schema(state, ARGV[1])
 if err then return err end
-err = check_acl({{'DEL', grads}, {'DEL', KEYS[3]}, {'HSET', state}, {'HDEL', state},
-  {'HINCRBY', state}, {'UNLINK', base .. ':b:0:0'}, {'ZADD', KEYS[4]}})
+err = check_acl({'DEL', grads, 'DEL', KEYS[3], 'HSET', state, 'HDEL', state,
+  'HINCRBY', state, 'UNLINK', base .. ':b:0:0', 'ZADD', KEYS[4]})
 if err then return err end
-local entries = redis.call('LRANGE', grads, 0, -1)
+local entries = redis.call('LRANGE', grads, '0', '-1')
 local blobs, dropped = {0}, 0
 for _, entry in ipairs(entries) do
   dropped = dropped + entry_weight(entry)
@@ -26,7 +26,7 @@ blobs[1] = dropped
 -- a reset is how a full server is freed
 redis.call('DEL', grads, KEYS[3])
 discard_spread(base, KEYS[4], entries, now_ms())
-redis.call('HSET', state, 'count', 0, 'bytes', 0)
+redis.call('HSET', state, 'count', '0', 'bytes', '0')
 redis.call('HDEL', state, 'rshape')
-redis.call('HINCRBY', state, 'gen', 1)
+redis.call('HINCRBY', state, 'gen', '1')
 return blobs

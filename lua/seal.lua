@@ -10,7 +10,7 @@ if not own_keys({}) then return acc_error('BADKEY 1') end
 if not is_int64(ARGV[2]) then return acc_error('BADARG seal') end
 local err = check_schema(state, ARGV[1])
 if err then return err end
-err = check_acl({{'HSET', state}, {'PEXPIRE', state}})
+err = check_acl({'HSET', state, 'PEXPIRE', state})
 if err then return err end
 redis.call('HSET', state, 'sealed', ARGV[2])
 touch(state, {state})

@@ -7,7 +7,7 @@ if not own_keys({}) then return acc_error('BADKEY 1') end
 if not is_int64(ARGV[2]) then return acc_error('BADARG set_step') end
 local err = check_schema(state, ARGV[1])
 if err then return err end
-err = check_acl({{'HSET', state}, {'PEXPIRE', state}})
+err = check_acl({'HSET', state, 'PEXPIRE', state})
 if err then return err end
 local old = redis.call('HGET', state, 'step')
 redis.call('HSET', state, 'step', ARGV[2])

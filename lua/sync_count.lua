@@ -17,7 +17,7 @@ if not (string.sub(KEYS[1], -3) == ':st' and type(ARGV[1]) == 'string' and #ARGV
     and (what == '' or what == 'stale' or what == 'partial' or what == 'none')) then
   return acc_error('BADARG sync_count')
 end
-local err = check_acl({{'HMGET', KEYS[1]}, {'HSET', KEYS[1]}, {'HINCRBY', KEYS[1]}})
+local err = check_acl({'HMGET', KEYS[1], 'HSET', KEYS[1], 'HINCRBY', KEYS[1]})
 if err then return err end
 local p = 'w:' .. ARGV[1] .. ':'
 

@@ -33,9 +33,12 @@ if publish then
   for i = 3, #KEYS do
     if string.sub(KEYS[i], 1, #head) ~= head then return acc_error('BADKEY ' .. i) end
   end
-  local checks = {{'HMGET', KEYS[1]}, {'HSET', KEYS[1]}, {'DEL', KEYS[1]}, {'HMGET', KEYS[2]},
-    {'PEXPIRE', KEYS[1]}, {'HSET', KEYS[2]}, {'UNLINK', head .. '0'}, {'PEXPIRE', head .. '0'}}
-  if ARGV[8] ~= '' then checks[#checks + 1] = {'PUBLISH', ARGV[8]} end
+  local checks = {'HMGET', KEYS[1], 'HSET', KEYS[1], 'DEL', KEYS[1], 'HMGET', KEYS[2],
+    'PEXPIRE', KEYS[1], 'HSET', KEYS[2], 'UNLINK', head .. '0', 'PEXPIRE', head .. '0'}
+  if ARGV[8] ~= '' then
+    checks[#checks + 1] = 'PUBLISH'
+    checks[#checks + 1] = ARGV[8]
+  end
   local err = check_acl(checks)
   if err then return err end
 end

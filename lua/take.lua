@@ -47,16 +47,16 @@ if err then return err end
 if st.step == INT64_MAX then return acc_error('STEPMAX') end
 -- What this script and the client's reading of a claim (MGET, PEXPIRE, UNLINK) will need.
 local some_blob = base .. ':b:0:0'
-err = check_acl({{'UNLINK', claim}, {'UNLINK', some_blob}, {'HSET', state},
-  {'HINCRBY', state}, {'HDEL', state}, {'PEXPIRE', state}, {'ZADD', takers},
-  {'ZREM', takers}, {'HSET', info_key}, {'HDEL', info_key}, {'RENAME', grads},
-  {'LPUSH', claim}, {'PEXPIRE', claim}, {'PERSIST', claim}, {'DEL', KEYS[6]},
-  {'PUBLISH', KEYS[7]}, {'RPUSH', KEYS[8]}, {'LSET', grads}, {'LREM', grads},
-  {'MGET', some_blob}, {'PEXPIRE', some_blob}, {'PERSIST', some_blob}, {'STRLEN', some_blob},
-  {'HSET', KEYS[9]}, {'HDEL', KEYS[9]}, {'HGETALL', KEYS[9]}, {'EXISTS', claim},
-  {'RENAME', claim}, {'LRANGE', grads}, {'ZCARD', takers}, {'ZRANGE', takers},
-  {'ZSCORE', takers}, {'HGET', info_key}, {'HGET', state}, {'TIME'}, {'ZADD', KEYS[10]},
-  {'GET', some_blob}})
+err = check_acl({'UNLINK', claim, 'UNLINK', some_blob, 'HSET', state,
+  'HINCRBY', state, 'HDEL', state, 'PEXPIRE', state, 'ZADD', takers,
+  'ZREM', takers, 'HSET', info_key, 'HDEL', info_key, 'RENAME', grads,
+  'LPUSH', claim, 'PEXPIRE', claim, 'PERSIST', claim, 'DEL', KEYS[6],
+  'PUBLISH', KEYS[7], 'RPUSH', KEYS[8], 'LSET', grads, 'LREM', grads,
+  'MGET', some_blob, 'PEXPIRE', some_blob, 'PERSIST', some_blob, 'STRLEN', some_blob,
+  'HSET', KEYS[9], 'HDEL', KEYS[9], 'HGETALL', KEYS[9], 'EXISTS', claim,
+  'RENAME', claim, 'LRANGE', grads, 'ZCARD', takers, 'ZRANGE', takers,
+  'ZSCORE', takers, 'HGET', info_key, 'HGET', state, 'TIME', false, 'ZADD', KEYS[10],
+  'GET', some_blob})
 if err then return err end
 err = check_types({grads, 'list', takers, 'zset', info_key, 'hash', claim, 'list',
   KEYS[6], 'list', KEYS[8], 'list', KEYS[9], 'hash', KEYS[10], 'zset'})
@@ -90,7 +90,7 @@ end
 
 -- A retry of a take that already claimed (the reply was lost): hand out the same round.
 if redis.call('EXISTS', claim) == 1 then
-  return with_payloads(redis.call('LRANGE', claim, 0, -1), 0, 0)
+  return with_payloads(redis.call('LRANGE', claim, '0', '-1'), 0, 0)
 end
 
 local now = now_ms()
@@ -103,7 +103,7 @@ if queued then
   -- A taker whose lease ran out (crashed, or stopped renewing) no longer blocks the FIFO.
   local pruned = false
   while true do
-    local head = redis.call('ZRANGE', takers, 0, 0)[1]
+    local head = redis.call('ZRANGE', takers, '0', '0')[1]
     if not head or head == me then break end
     local info = redis.call('HGET', info_key, head)
     if info then
@@ -119,7 +119,7 @@ if queued then
     local _, _, j = taker_info(info)
     joined = j
   end
-  local head = redis.call('ZRANGE', takers, 0, 0)[1]
+  local head = redis.call('ZRANGE', takers, '0', '0')[1]
   if pruned and head ~= me then wake_queue(KEYS[7]) end
   queued = head ~= nil and head ~= me
 end
@@ -150,10 +150,10 @@ if not queued and redis.call('EXISTS', KEYS[9]) == 1 then
     elseif expiry <= now then
       redis.call('HDEL', KEYS[9], other)
       redis.call('RENAME', dead, claim)
-      local entries = redis.call('LRANGE', claim, 0, -1)
+      local entries = redis.call('LRANGE', claim, '0', '-1')
       local _, _, held = string.match(entries[1], '^(%-?%d+) (%d+) (%d+) ')
       redis.call('HSET', KEYS[9], me, claim_lease(held or '0'))
-      redis.call('HINCRBY', state, 'n_adopted', 1)
+      redis.call('HINCRBY', state, 'n_adopted', '1')
       leave_fifo()
       touch(state, {state, takers, info_key, KEYS[9]}, st.ttl)
       return with_payloads(entries, 0, 1)
@@ -175,7 +175,7 @@ if not queued and count >= n then
     if ARGV[5] == 'd' then return len == dims * isz - folded end
     return folded == 0 and len % (8 + dims * isz) == 0
   end
-  local entries = redis.call('LRANGE', grads, 0, -1)
+  local entries = redis.call('LRANGE', grads, '0', '-1')
   local total, bad, held, unchecked = 0, {}, 0, {}
   for i, entry in ipairs(entries) do
     local keys, why = entry_keys(base, entry)
@@ -210,7 +210,7 @@ if not queued and count >= n then
       -- payload keys of ours in an unusable entry are freed (a foreign key is never touched)
       if b[4] then unlink_all(b[4]) end
     end
-    redis.call('LREM', grads, 0, '\0bad')
+    redis.call('LREM', grads, '0', '\0bad')
     count = held
     nbytes = int_str(total)
     quarantined = #bad
@@ -224,11 +224,11 @@ end
 if queued or count < n then
   -- wait: join the FIFO (or stay in it) with a renewed lease
   if not redis.call('ZSCORE', takers, me) then
-    redis.call('ZADD', takers, redis.call('HINCRBY', state, 'tseq', 1), me)
+    redis.call('ZADD', takers, redis.call('HINCRBY', state, 'tseq', '1'), me)
   end
   redis.call('HSET', info_key, me,
     int_str(n) .. ' ' .. int_str(now + tonumber(ARGV[4])) .. ' ' .. int_str(joined))
-  local head = redis.call('ZRANGE', takers, 0, 0)[1]
+  local head = redis.call('ZRANGE', takers, '0', '0')[1]
   touch(state, {state, takers, info_key}, st.ttl)
   return {0, head == me and 1 or 0, quarantined}
 end
@@ -236,7 +236,7 @@ end
 -- Claim: this taker is at the head (or alone) and the round is big enough.
 -- HINCRBY keeps the step an exact int64 (Lua numbers are doubles)
 local gen = int_str(tonumber(st.gen) + 1)
-redis.call('HINCRBY', state, 'step', 1)
+redis.call('HINCRBY', state, 'step', '1')
 local header = redis.call('HGET', state, 'step') .. ' ' .. int_str(count) .. ' ' .. nbytes ..
   ' ' .. gen .. ' ' .. (st.rshape and ('1 ' .. st.rshape) or '0 ')
 redis.call('RENAME', grads, claim)  -- count >= num_required >= 1: the list exists
@@ -247,13 +247,13 @@ local entries = {header}
 if validated then
   for i = 1, #validated do entries[i + 1] = validated[i] end  -- (unpack stops at ~8000)
 else
-  entries = redis.call('LRANGE', claim, 0, -1)
+  entries = redis.call('LRANGE', claim, '0', '-1')
 end
 -- Kept, under a lease, until the taker has read and reduced it (finish.lua) or gives it back.
 redis.call('PERSIST', claim)
 redis.call('HSET', KEYS[9], me, claim_lease(nbytes))
 
-redis.call('HSET', state, 'count', 0, 'bytes', 0, 'last_take_ms', int_str(now),
+redis.call('HSET', state, 'count', '0', 'bytes', '0', 'last_take_ms', int_str(now),
   'last_take_wait_ms', int_str(now - joined), 'gen', gen,
   'n_taken', int_str(tonumber(st.n_taken) + 1),
   'grads_taken', int_str(tonumber(st.grads_taken) + count))

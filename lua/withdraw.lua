@@ -13,7 +13,7 @@ if not is_own(base, dedup, 'd') or not is_own(base, blob, 'b') then return acc_e
 if not (is_count(seq) and is_count(ARGV[2])) then return acc_error('BADARG withdraw') end
 local parts = n_parts(tonumber(ARGV[2]))
 if parts < 1 or parts > MAX_PARTS then return acc_error('BADARG withdraw parts') end
-local err = check_acl({{'GET', dedup}, {'UNLINK', blob}})
+local err = check_acl({'GET', dedup, 'UNLINK', blob})
 if err then return err end
 local prev = redis.pcall('GET', dedup)
 if type(prev) == 'table' then return refused('GET', dedup, prev.err) end

@@ -147,6 +147,11 @@ def test_an_apply_missing_a_permission_fails_before_writing(acl, real, command, 
         np.float32, shape, shared_name="p", client=acl("worker", _without("worker", command))
     )
     r = real.redis()
+    if shape == SHAPE and command in ("persist", "strlen", "lrange", "zcard"):
+        # a small gradient's apply runs none of these (payload keys, type probes): it goes on
+        assert worker.apply_grad(np.ones(shape)) and acc.num_accumulated() == 1
+        np.testing.assert_array_equal(acc.take_grad(1), np.ones(shape))
+        return
     before = {k: r.type(k) for k in r.scan_iter("acc:*")}
     state = r.hgetall(acc._keys.state)
     with pytest.raises(accumulator.PermissionDeniedError, match=command.upper()):

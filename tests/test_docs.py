@@ -4,6 +4,7 @@ accumulators explains what is shared across hosts and how to reach the server.""
 from __future__ import annotations
 
 import inspect
+from pathlib import Path
 
 import pytest
 
@@ -59,3 +60,60 @@ def test_help_explains_what_is_shared_and_the_client(cls: type) -> None:
     text = inspect.getdoc(cls) or ""
     for word in ("shared_name", "container", "client", "host"):
         assert word in text, word
+
+
+def _readme_blocks() -> list[tuple[int, str]]:
+    """The README's ```python blocks: (line, text)."""
+    from pathlib import Path
+
+    lines = (Path(__file__).resolve().parents[1] / "README.md").read_text().splitlines()
+    blocks, start = [], None
+    for i, line in enumerate(lines):
+        if line.strip() == "```python":
+            start = i + 1
+        elif line.strip() == "```" and start is not None:
+            blocks.append((start + 1, "\n".join(lines[start:i])))
+            start = None
+    return blocks
+
+
+#: Names the README's examples use without defining them (a fragment's context), as typed
+#: here; any other free name is Any.
+_CONTEXT = {"url": "str", "acc": "accumulator.ConditionalAccumulator", "step": "int"}
+
+
+def test_the_readme_examples_type_check_against_the_api(tmp_path: Path) -> None:
+    """Each of the README's Python examples, as a function with its free names declared, is
+    checked by mypy against the package's annotations: a renamed or removed argument, method
+    or class in the API fails here, not in a user's hands."""
+    import ast
+    import builtins
+    import textwrap
+
+    from mypy import api
+
+    blocks = _readme_blocks()
+    assert len(blocks) >= 8
+    for line, text in blocks:
+        body = textwrap.indent(text, "    ")
+        tree = ast.parse("async def _f():\n" + body)
+        stored = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)
+                  and isinstance(n.ctx, ast.Store)}  # fmt: skip
+        stored |= {a.arg for n in ast.walk(tree) if isinstance(n, ast.arg) for a in [n]}
+        stored |= {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef,
+                                                                   ast.AsyncFunctionDef))}
+        stored |= {(a.asname or a.name).split(".")[0] for n in ast.walk(tree)
+                   if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}  # fmt: skip
+        loaded = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)
+                  and isinstance(n.ctx, ast.Load)}  # fmt: skip
+        known = {"np", "accumulator", "asyncio", "threading"}
+        free = sorted(loaded - stored - known - set(dir(builtins)))
+        head = ["from typing import Any", "import asyncio, threading", "import numpy as np",
+                "import accumulator", ""]  # fmt: skip
+        head += [f"{name}: {_CONTEXT.get(name, 'Any')}" for name in free]
+        source = "\n".join(head) + "\n\n\nasync def _example() -> None:\n" + body + "\n"
+        (tmp_path / f"readme_line_{line}.py").write_text(source)
+    out, err, status = api.run([str(tmp_path), "--no-error-summary", "--ignore-missing-imports",
+                                "--cache-dir", str(tmp_path / ".cache"),
+                                "--disable-error-code", "no-untyped-def"])  # fmt: skip
+    assert status == 0, out + err
