@@ -559,6 +559,7 @@ def render(rows: list[Row], meta: dict[str, Any]) -> str:
             " (one more round trip: the least a take costs that frees its round only once the"
             " reader has it); context, not judged"
         )
+    lines += ["", *meta["server_cost"]]
     misses = sum(not r.passed for r in rows)
     lines += ["", f"{len(rows) - misses} PASS, {misses} MISS ({meta['elapsed_s']:.0f} s)"]
     return "\n".join(lines)
@@ -645,6 +646,11 @@ def run(args: argparse.Namespace, url: str) -> tuple[list[Row], dict[str, Any]]:
         sparse_rows = bench.bench_sparse()
         rows += sparse_rows
         rows += bench.bench_aio()
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from _server_cost import measure as server_cost
+
+        bench.log("bench: Redis CPU per operation")
+        cost = server_cost(url, 500 if args.quick else 2000)
     finally:
         bench.cleanup()
         bench.close()
@@ -662,6 +668,8 @@ def run(args: argparse.Namespace, url: str) -> tuple[list[Row], dict[str, Any]]:
         "ping_ms": asdict(Stat.of(bench.ping_samples)),
         "sparse": bool(sparse_rows),
         "elapsed_s": time.perf_counter() - started,
+        "server_cost_us": asdict(cost),
+        "server_cost": cost.lines(),
     }
     return rows, meta
 

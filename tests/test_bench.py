@@ -30,7 +30,10 @@ def test_bench_measures_every_case_and_checks_its_results(real_url):
                 "--url", real_url, "--json", "-"], timeout=600)  # fmt: skip
     assert proc.returncode in (0, 1), proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    rows = json.loads(proc.stdout)["rows"]
+    out = json.loads(proc.stdout)
+    rows = out["rows"]
+    cost = out["meta"]["server_cost_us"]  # Redis CPU per operation: all measured
+    assert cost["set_us"] > 0 and cost["apply_us"] > 0 and cost["take_us"] > 0, cost
     cases = {(r["case"], r["size"]) for r in rows}
     for size in ("1 Ki", "256 Ki", "4 Mi"):
         assert ("apply", size) in cases and ("take(4)", size) in cases
