@@ -73,7 +73,7 @@ class Info:
     round_shape: tuple[int, ...] | None  # shape of the pending round (None: no round)
     bytes: int  # payload bytes of the pending round
     gen: int  # takes plus resets so far
-    takers_waiting: int
+    takers_waiting: int  # queued takers whose lease has not run out
     private: bool  # an unnamed accumulator (expires when unused)
     created_ms: int | None
     now_ms: int | None  # server time of this snapshot
@@ -247,6 +247,20 @@ def _takers(
             )
         )
     return tuple(out)
+
+
+def live_takers(queued: int, leases: dict[bytes, bytes], now: int | None) -> int:
+    """How many of the queued takers still wait: those whose lease has not run out (a taker
+    killed while it waited stays queued until the next take prunes it). Without the server's
+    time, or with a lease this library did not write, every queued one counts."""
+    if now is None:
+        return queued
+    gone = 0
+    for info in leases.values():
+        parts = _text(info).split()
+        if len(parts) == 3 and parts[1].isdigit() and int(parts[1]) <= now:
+            gone += 1
+    return max(0, queued - gone)
 
 
 def queue_time(r: Any, pipe: Any) -> Callable[[list[Any]], list[Any]]:

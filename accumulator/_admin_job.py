@@ -13,7 +13,7 @@ from typing import Any, cast
 import msgpack
 import redis
 
-from ._admin_info import _int, _server_ms, _text, queue_time
+from ._admin_info import _int, _server_ms, _text, live_takers, queue_time
 from ._admin_ops import delete
 from ._errors import InvalidArgumentError, NotFoundError
 from ._keys import DEFAULT_PREFIX, SYNC_PREFIX, Keys, SyncKeys, is_done_mark
@@ -186,11 +186,13 @@ def describe_job(
         acc = Keys(container, f"{job}/{name}", prefix)
         pipe.hmget(acc.state, ["schema", "step", "count"])
         pipe.zcard(acc.takers)
+        pipe.hgetall(acc.taker_info)
         pipe.hgetall(acc.claims)
     replies = pipe.execute() if specs else []
     params = []
     for i, (name, kind, dtype, shape) in enumerate(specs):
-        (schema, acc_step, count), waiting, registry = replies[3 * i : 3 * i + 3]
+        (schema, acc_step, count), queued, leases, registry = replies[4 * i : 4 * i + 4]
+        waiting = live_takers(int(queued or 0), leases, now)
         claimed = sum(1 for v in registry.values() if not is_done_mark(v))
         params.append(JobParam(
             name=name, shared_name=f"{job}/{name}", kind=kind, dtype=dtype, shape=shape,

@@ -20,6 +20,7 @@ from ._admin_info import (
     _server_ms,
     _takers,
     _text,
+    live_takers,
     queue_time,
 )
 from ._connection import atomically
@@ -45,7 +46,7 @@ def _not_found(shared_name: str, container: str) -> NotFoundError:
 
 
 #: What list_accumulators reads from each key, for the message when a key holds another type.
-_LISTED_TYPES = {"state": "hash", "takers": "sorted set"}
+_LISTED_TYPES = {"state": "hash", "takers": "sorted set", "taker_info": "hash"}
 _TYPE_NAMES = {"zset": "sorted set", "none": "nothing (removed meanwhile)"}
 
 
@@ -107,6 +108,7 @@ def list_accumulators(
     for _, _, keys in found:
         pipe.hgetall(keys.state)
         pipe.zcard(keys.takers)
+        pipe.hgetall(keys.taker_info)
     replies = clock(pipe.execute(raise_on_error=False))
     for reply in replies:
         if isinstance(reply, Exception) and not _wrong_type(reply):
@@ -114,19 +116,21 @@ def list_accumulators(
     now = _server_ms(replies[0])
     out: list[Info] = []
     for i, (cont, name, keys) in enumerate(found):
-        state, waiting = replies[1 + 2 * i], replies[2 + 2 * i]
+        state, queued, leases = replies[1 + 3 * i : 4 + 3 * i]
         wrong = [
             (key, _LISTED_TYPES[what])
-            for what, key, reply in (("state", keys.state, state), ("takers", keys.takers, waiting))
+            for what, key, reply in (("state", keys.state, state), ("takers", keys.takers, queued),
+                                     ("taker_info", keys.taker_info, leases))
             if _wrong_type(reply)
-        ]
+        ]  # fmt: skip
         if wrong:
             out.append(_unreadable(r, cont, name, wrong, now))
             continue
         if not state:  # deleted between SCAN and HGETALL
             continue
-        out.append(_info(cont, name, state, int(waiting or 0), now))
+        out.append(_info(cont, name, state, live_takers(int(queued or 0), leases or {}, now), now))
     return out
+
 
 
 def _memory_usage(r: redis.Redis, keys: Iterable[bytes]) -> int | None:
@@ -271,14 +275,15 @@ def describe(
     ]
     if stray:
         logger.debug("%d stray keys under %s", len(stray), keys.base)
+    takers = _takers(ranked, taker_info, now)
     return _info(
         container,
         shared_name,
         state,
-        len(ranked),
+        sum(1 for t in takers if t.lease_remaining_ms is None or t.lease_remaining_ms > 0),
         now,
         detailed=True,
-        takers=_takers(ranked, taker_info, now),
+        takers=takers,
         claims=tuple(claims),
         retry_buffers=retry_buffers,
         keys=len(found),

@@ -253,6 +253,31 @@ def test_describe_waiting_taker(make: Callable[..., Any], r: redis.Redis) -> Non
     assert _admin.describe(r, "waiting").takers == ()
 
 
+def test_a_taker_whose_lease_ran_out_is_not_counted_as_waiting(
+    make: Callable[..., Any], r: redis.Redis
+) -> None:
+    """A taker killed while it waited stays queued until the next take prunes it: listed
+    (its lease shown run out), but neither ``ls`` nor ``show`` counts it as waiting."""
+    acc = make("deadtaker")
+    acc.apply_grad(np.ones(SHAPE), local_step=0)
+    k = acc._keys
+    now = int(r.time()[0]) * 1000
+    r.zadd(k.takers, {b"1-dead": 1, b"2-live": 2})
+    r.hset(k.taker_info, mapping={b"1-dead": f"3 {now - 1000} {now - 9000}",
+                                  b"2-live": f"3 {now + 60_000} {now - 500}"})  # fmt: skip
+    info = _admin.describe(r, "deadtaker")
+    assert [(t.taker_id, t.lease_remaining_ms > 0) for t in info.takers] == [
+        ("1-dead", False), ("2-live", True)]  # fmt: skip
+    assert info.takers_waiting == 1
+    assert [i.takers_waiting for i in _admin.list_accumulators(r)] == [1]
+    r.hset(k.taker_info, b"2-live", f"3 {now - 1} {now - 500}")
+    assert _admin.describe(r, "deadtaker").takers_waiting == 0
+    assert [i.takers_waiting for i in _admin.list_accumulators(r)] == [0]
+    # the next take prunes both and takes the round
+    np.testing.assert_array_equal(acc.take_grad(1, timeout=5), np.ones(SHAPE))
+    assert _admin.describe(r, "deadtaker").takers == ()
+
+
 def test_describe_claims_left_behind(make: Callable[..., Any], r: redis.Redis) -> None:
     big = make("crashy", shape=BIG)
     big.apply_grad(np.ones(BIG), local_step=0)
