@@ -115,10 +115,17 @@ __all__ = [
 _PROG = "accumulator"
 
 
-def _add_global_options(parser: argparse.ArgumentParser, *, top: bool) -> None:
+def _add_global_options(
+    parser: argparse.ArgumentParser, *, top: bool, offline: bool = False
+) -> None:
     # Below the command the defaults are SUPPRESS so that an option given before the command
-    # is not overwritten by the subparser's default.
+    # is not overwritten by the subparser's default. A command that does not connect takes
+    # only --json.
     group = parser.add_argument_group("global options")
+    if offline:
+        group.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
+                           help="machine-readable output")  # fmt: skip
+        return
     group.add_argument(
         "--url",
         default=None if top else argparse.SUPPRESS,
@@ -203,7 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
             sub.add_argument(*flags, **kwargs)
         if cmd.destructive:
             sub.add_argument("-y", "--yes", action="store_true", help="do not ask for confirmation")
-        _add_global_options(sub, top=False)
+        _add_global_options(sub, top=False, offline=cmd.offline)
     return parser
 
 

@@ -352,6 +352,7 @@ def _demo(ctx: Context, args: argparse.Namespace) -> int:
     "module",
     "build the accsum Redis module (cached) and print its path: redis-server --loadmodule PATH",
     arg("action", choices=["build", "path"], help="build: build if needed; path: same"),
+    offline=True,
 )
 def _module_build(ctx: Context, args: argparse.Namespace) -> int:
     from . import _module

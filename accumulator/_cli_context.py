@@ -68,6 +68,8 @@ class Command:
     #: Takes its own options (all arguments after the name go to ``run`` as ``args.args``,
     #: unparsed): listed in ``--help`` like the others.
     passthrough: bool = False
+    #: Does not talk to Redis: of the global options only ``--json`` (``module``).
+    offline: bool = False
 
 
 COMMANDS: dict[str, Command] = {}
@@ -79,11 +81,13 @@ def command(
     *arguments: ArgSpec,
     destructive: bool = False,
     passthrough: bool = False,
+    offline: bool = False,
 ) -> Callable[[Runner], Runner]:
     """Register a subcommand: ``@command("name", "one-line help", arg(...), ...)``."""
 
     def register(func: Runner) -> Runner:
-        COMMANDS[name] = Command(name, help, func, tuple(arguments), destructive, passthrough)
+        COMMANDS[name] = Command(name, help, func, tuple(arguments), destructive, passthrough,
+                                 offline)  # fmt: skip
         return func
 
     return register

@@ -384,3 +384,15 @@ def test_the_cli_builds_the_module_and_prints_its_path(capsys):
     assert main(["module", "build"]) == 0
     path = capsys.readouterr().out.strip()
     assert path.endswith(".so") and os.path.exists(path)
+
+
+def test_the_module_command_takes_no_connection_options(capsys):
+    """It does not talk to Redis: its help lists only --json of the global options, and a
+    connection option after it is a usage error, not silently ignored."""
+    from accumulator._cli import EXIT_OK, EXIT_USAGE, main
+
+    assert main(["module", "--help"]) == EXIT_OK
+    text = capsys.readouterr().out
+    assert "--json" in text and "--url" not in text and "--tls" not in text
+    assert main(["module", "path", "--url", "redis://elsewhere:6379"]) == EXIT_USAGE
+    assert "--url" in capsys.readouterr().err
