@@ -4,18 +4,22 @@ from Redis are untrusted (only an accumulator's own payload keys are deleted).""
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import Any
 
 import redis
+from redis.exceptions import OutOfMemoryError
 
 from . import _scripts
 from ._admin_read import _not_found, _scan, list_accumulators
 from ._connection import atomically, require_transactions
 from ._core import leave
-from ._errors import InvalidArgumentError, NotFoundError
+from ._errors import InvalidArgumentError, NotFoundError, ResourceExhaustedError
 from ._keys import DEFAULT_PREFIX, SCHEMA_VERSION, SCHEMAS, Keys
 from ._model import SWEEP_LEASE_MS
+
+logger = logging.getLogger("accumulator")
 
 
 def schema_of(r: redis.Redis, keys: Keys) -> int:
@@ -152,6 +156,58 @@ def check_taker(
     return waiting
 
 
+def _drop_claim(
+    r: redis.Redis, keys: Keys, claim: str, taker_id: str
+) -> tuple[list[Any], list[bytes]]:
+    """Delete a claimed round (its payload keys, the claim, the taker's registry, FIFO and
+    lease entries) as one transaction watching the claim; returns (the claim's entries, the
+    spread parts made garbage). At maxmemory Redis refuses a transaction's commands, deletes
+    too: there the claim is read, then deleted by plain commands (the tools that free memory
+    must work at the limit; the taker is gone, nothing else writes its claim)."""
+    def plan(entries: list[Any]) -> tuple[list[bytes], list[bytes]]:
+        # claim entries are untrusted: only this accumulator's own payload keys go
+        own = [e for e in entries[1:] if isinstance(e, bytes)]
+        blobs = keys.payload_keys([e for e in own if not Keys.is_spread(e)])
+        return blobs, [b"x" + e for e in own if Keys.is_spread(e) and keys.entry_keys(e)]
+
+    def queue(pipe: Any, blobs: list[bytes], spread: list[bytes]) -> None:
+        for i in range(0, len(blobs), 500):
+            pipe.unlink(*blobs[i : i + 500])
+        if spread:  # other slots: garbage for the sweep (no transaction spans them)
+            pipe.zadd(keys.orphans, dict.fromkeys(spread, 0))
+        pipe.unlink(claim)
+        pipe.hdel(keys.claims, taker_id)
+        pipe.zrem(keys.takers, taker_id)
+        pipe.hdel(keys.taker_info, taker_id)
+
+    try:
+        with r.pipeline(transaction=True) as pipe:
+            pipe.watch(claim)
+            entries = pipe.lrange(claim, 0, -1)
+            blobs, spread = plan(entries)
+            pipe.multi()
+            queue(pipe, blobs, spread)
+            pipe.execute()
+        return entries, spread
+    except OutOfMemoryError:
+        logger.debug("at maxmemory: the claimed round is dropped by plain deletes")
+    entries = r.lrange(claim, 0, -1)
+    blobs, spread = plan(entries)
+    if spread:  # registered for the sweep first (a ZADD needs memory): else nothing goes
+        try:
+            r.zadd(keys.orphans, dict.fromkeys(spread, 0))
+        except OutOfMemoryError as exc:
+            raise ResourceExhaustedError(
+                f"the round claimed by {taker_id!r} has payload parts in other slots, which "
+                "cannot be registered for deletion at maxmemory; nothing was dropped. Free "
+                "some memory first (reset or delete another accumulator), then evict again"
+            ) from exc
+    with r.pipeline(transaction=False) as pipe:
+        queue(pipe, blobs, [])
+        pipe.execute()
+    return entries, spread
+
+
 def evict(
     r: redis.Redis,
     shared_name: str,
@@ -176,23 +232,7 @@ def evict(
     waiting = check_taker(r, shared_name, taker_id, container, prefix=prefix)
     if drop:
         require_transactions(r, keys.state)
-        with r.pipeline(transaction=True) as pipe:
-            pipe.watch(claim)
-            entries = pipe.lrange(claim, 0, -1)
-            # claim entries are untrusted: only this accumulator's own payload keys go
-            own = [e for e in entries[1:] if isinstance(e, bytes)]
-            blobs = keys.payload_keys([e for e in own if not Keys.is_spread(e)])
-            spread = [b"x" + e for e in own if Keys.is_spread(e) and keys.entry_keys(e)]
-            pipe.multi()
-            for i in range(0, len(blobs), 500):
-                pipe.unlink(*blobs[i : i + 500])
-            if spread:  # other slots: garbage for the sweep below (no transaction spans them)
-                pipe.zadd(keys.orphans, dict.fromkeys(spread, 0))
-            pipe.unlink(claim)
-            pipe.hdel(keys.claims, taker_id)
-            pipe.zrem(keys.takers, taker_id)
-            pipe.hdel(keys.taker_info, taker_id)
-            pipe.execute()
+        entries, spread = _drop_claim(r, keys, claim, taker_id)
         if spread:
             sweep(r, keys)
         if entries:

@@ -23,7 +23,9 @@ import pytest
 import redis
 
 import accumulator
-from accumulator import _admin, _cli
+from accumulator import _admin, _cli, _scripts
+from accumulator._admin_ops import schema_of
+from accumulator._keys import Keys
 from accumulator.testing import RedisServer
 
 if TYPE_CHECKING:
@@ -897,12 +899,17 @@ def test_the_tools_that_free_memory_work_at_maxmemory(own_server: Target) -> Non
     a write that needs memory (set-step) is refused our way."""
     url = own_server.url
     shape = (3 * (1 << 20) // 4,)
-    for name in ("full", "other"):
+    for name in ("full", "other", "claimed"):
         acc = accumulator.ConditionalAccumulator(np.float32, shape, shared_name=name, client=url)
         for _ in range(3):
             acc.apply_grad(np.ones(shape, np.float32))
         acc.close()
     r = own_server.redis()
+    k = Keys("", "claimed")  # its round claimed by a taker that then died
+    reply = _scripts.call(r, "take", [k.state, k.grads, k.takers, k.taker_info, k.claim("1-dead"),
+                                      k.wake, k.queue_wake, k.quarantine, k.claims, k.orphans],
+                          [schema_of(r, k), "1-dead", 3, 15_000, "d", 4, 30_000, 0, 0])  # fmt: skip
+    assert int(reply[0]) == 1 and r.exists(k.claim("1-dead"))
     r.config_set("maxmemory", 1 << 20)
     with pytest.raises(redis.exceptions.OutOfMemoryError):
         r.set("probe", "x")  # (the server is at its limit)
@@ -915,5 +922,10 @@ def test_the_tools_that_free_memory_work_at_maxmemory(own_server: Target) -> Non
     assert accumulator.describe_accumulator("full", client=url).count == 0
     ok(cli("--url", url, "delete", "full", "--yes"))
     assert accumulator.delete_accumulator("other", client=url) > 0
+    assert "dropped" in ok(cli("--url", url, "evict", "claimed", "1-dead", "--drop", "--yes"))
+    # (the retry records of the applies stay, until they expire)
+    left = [key for key in r.scan_iter(f"{k.base}*") if key != k.state.encode()]
+    assert [key for key in left if not key.startswith(k.dedup("").encode())] == []
+    assert accumulator.delete_accumulator("claimed", client=url) > 0
     assert r.keys("acc:*") == []
     r.config_set("maxmemory", 0)
