@@ -15,7 +15,12 @@ from . import _scripts
 from ._admin_read import _not_found, _scan, list_accumulators
 from ._connection import atomically, require_transactions
 from ._core import leave
-from ._errors import InvalidArgumentError, NotFoundError, ResourceExhaustedError
+from ._errors import (
+    AccumulatorError,
+    InvalidArgumentError,
+    NotFoundError,
+    ResourceExhaustedError,
+)
 from ._keys import DEFAULT_PREFIX, SCHEMA_VERSION, SCHEMAS, Keys
 from ._model import SWEEP_LEASE_MS
 
@@ -50,6 +55,17 @@ def sweep(r: redis.Redis, keys: Keys) -> int:
         swept += len(members)
 
 
+def _sweep_after(r: redis.Redis, keys: Keys, done: str) -> None:
+    """:func:`sweep` after ``done`` (a reset, a dropped round) has happened: best effort. A
+    failure (the ACL refuses the sweep's TIME or ZREM, Redis at maxmemory) is logged: the
+    operation is done, and the next apply or reset sweeps the parts."""
+    try:
+        sweep(r, keys)
+    except (AccumulatorError, redis.RedisError) as exc:
+        logger.warning("%s %s, but the parts of its spread payloads were not swept (%s); the "
+                       "next apply or reset sweeps them", keys.base, done, exc)  # fmt: skip
+
+
 def set_step(
     r: redis.Redis, shared_name: str, n: int, container: str = "", *, prefix: str = DEFAULT_PREFIX
 ) -> int:
@@ -81,7 +97,7 @@ def reset(
         raise _not_found(shared_name, container) from exc
     blobs = [b for b in blobs if keys.is_blob(b)]  # the script returns only ours; twice sure
     _unlink(r, blobs)
-    sweep(r, keys)  # the spread payloads it dropped
+    _sweep_after(r, keys, "was reset")  # the spread payloads it dropped
     return int(dropped)
 
 
@@ -234,7 +250,7 @@ def evict(
         require_transactions(r, keys.state)
         entries, spread = _drop_claim(r, keys, claim, taker_id)
         if spread:
-            sweep(r, keys)
+            _sweep_after(r, keys, "had a claimed round dropped")
         if entries:
             return "dropped"
         if waiting:

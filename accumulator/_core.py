@@ -22,7 +22,7 @@ from . import _retry, _scripts, _take
 from ._cluster_batch import by_node_batch, each, is_script, on_node, per_node
 from ._connection import Client, Connections, connect
 from ._direct import execute_batch, pooled
-from ._errors import CancelledError
+from ._errors import AccumulatorError, CancelledError
 from ._keys import SCHEMA_VERSION, Keys
 from ._model import AccumulatorModel, server_of
 from ._requests import (
@@ -274,7 +274,7 @@ class AccumulatorBase(AccumulatorModel):
             except ResponseError as exc:
                 moved = moved_error("take_grad", [exc]) if self._cluster else None
                 if moved is None:
-                    raise
+                    _scripts.raise_translated(exc)  # (BLPOP refused by the ACL: ours)
                 # the slot moved (or is moving): a fresh slot map, and the caller re-checks
                 blocking.nodes_manager.initialize()
                 raise moved from exc
@@ -309,7 +309,11 @@ class AccumulatorBase(AccumulatorModel):
         except Exception as exc:
             if self._closed:  # its connection was cut under it (whatever redis-py raises then)
                 raise CancelledError("the accumulator was closed while waiting") from None
-            if not (_retry.is_transient(exc) or isinstance(exc, OSError)):
+            # (our errors are never a connection's fault: PermissionDeniedError is an
+            # OSError, as Python's PermissionError)
+            if isinstance(exc, AccumulatorError) or not (
+                _retry.is_transient(exc) or isinstance(exc, OSError)
+            ):
                 raise
             logger.debug("wait on %s interrupted: %s", self._keys.base, exc)
             time.sleep(0.05)  # a refused reconnect fails at once: do not spin

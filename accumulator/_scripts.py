@@ -227,8 +227,10 @@ def is_no_permission(reply: Any) -> bool:
     return isinstance(reply, (NoPermissionError, PermissionDeniedError))
 
 
-#: The text of a script's command refused by the ACL (Redis 7; it does not name the command).
-_SCRIPT_NOPERM = "The user executing the script can't run this command"
+#: The texts of a script's command refused by the ACL (Redis 7; they do not name the
+#: command): one the user may not run, and one on a key the user may not touch.
+_SCRIPT_NOPERM = ("The user executing the script can't run this command",
+                  "The user executing the script can't access at least one of the keys")
 
 
 def raise_translated(exc: Exception, state_key: str | bytes | None = None) -> NoReturn:
@@ -258,7 +260,7 @@ def translate(exc: Exception, state_key: str | bytes | None = None) -> Exception
     idx = text.find(ERROR_PREFIX.strip())
     if idx < 0:
         if (isinstance(exc, NoPermissionError) or text.startswith("NOPERM")
-                or _SCRIPT_NOPERM in text):  # fmt: skip
+                or any(refusal in text for refusal in _SCRIPT_NOPERM)):  # fmt: skip
             # (a script's read made before its permission checks, refused by the ACL: nothing
             # was written yet)
             return permission_denied(text.split(" script: ")[0])

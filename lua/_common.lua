@@ -11,6 +11,7 @@ end
 local function is_refusal(err)
   local text = tostring(err)  -- (a string; fakeredis's Lua gives a userdata)
   return string.find(text, "can't run", 1, true) or string.find(text, 'NOPERM', 1, true)
+    or string.find(text, "can't access", 1, true)
     or string.find(text, 'no permissions', 1, true)
 end
 
@@ -21,10 +22,20 @@ local function refused(command, key, err)
   return redis.error_reply(tostring(err))
 end
 
+-- The error reply for a pcall on key that failed with err: BADTYPE when the key holds a value
+-- of another type than kind, our NOPERM when the ACL refused it, else the error as it is.
+local function probe_error(command, key, kind, err)
+  local text = tostring(err)  -- (a string; fakeredis's Lua gives a userdata)
+  if string.find(text, 'WRONGTYPE', 1, true) then
+    return acc_error('BADTYPE ' .. key .. ' ' .. kind)
+  end
+  return refused(command, key, err)
+end
+
 -- nil when the state hash exists with the schema this client speaks, else an error reply.
 local function check_schema(state, want)
   local have = redis.pcall('HGET', state, 'schema')
-  if type(have) == 'table' and have.err then return refused('HGET', state, have.err) end
+  if type(have) == 'table' and have.err then return probe_error('HGET', state, 'hash', have.err) end
   if not have then return acc_error('NOTFOUND') end
   if have ~= want then return acc_error('SCHEMA ' .. have) end
   return nil
@@ -34,7 +45,7 @@ end
 -- than the work). Returns an error reply, or nil and a table field -> value (false if unset).
 local function read_state(state, want, fields)
   local values = redis.pcall('HMGET', state, 'schema', unpack(fields))
-  if values.err then return refused('HMGET', state, values.err) end
+  if values.err then return probe_error('HMGET', state, 'hash', values.err) end
   if not values[1] then return acc_error('NOTFOUND') end
   if values[1] ~= want then return acc_error('SCHEMA ' .. values[1]) end
   local out = {}
@@ -60,6 +71,7 @@ local function touch(state, keys, ttl)
   ttl = ttl or redis.call('HGET', state, 'ttl') or '0'
   local ms = tonumber(ttl)
   if ms > 0 then
+    if not string.find(ttl, '^[1-9]%d*$') then ttl = int_str(ms) end  -- (an older open.lua's)
     for _, key in ipairs(keys) do redis.call('PEXPIRE', key, ttl) end
   end
   return ms, ttl
@@ -113,9 +125,10 @@ local function is_int64(s)
   return #s <= 20 and int_cmp(s, INT64_MIN) >= 0 and int_cmp(s, INT64_MAX) <= 0
 end
 
--- A non-negative decimal count (sequence numbers, sizes, milliseconds).
+-- A non-negative decimal count (sequence numbers, sizes, milliseconds), canonical: no leading
+-- zero (Redis refuses "0100" where a script passes it on, e.g. as an expiry, after a write).
 local function is_count(s)
-  return type(s) == 'string' and #s <= 18 and string.find(s, '^%d+$') ~= nil
+  return type(s) == 'string' and #s <= 18 and (s == '0' or string.find(s, '^[1-9]%d*$') ~= nil)
 end
 
 -- Every key a script touches is one of its own accumulator's: KEYS[1] is '<base>:s' and each
@@ -296,16 +309,6 @@ end
 -- made from them, do not grant it). nil, or the BADTYPE error reply.
 local TYPE_PROBES = {list = {'LRANGE', '1', '0'}, zset = {'ZCARD'}, hash = {'HGET', ''},
   string = {'STRLEN'}}
--- The error reply for a pcall on key that failed with err: BADTYPE when the key holds a value
--- of another type than kind, our NOPERM when the ACL refused it, else the error as it is.
-local function probe_error(command, key, kind, err)
-  local text = tostring(err)  -- (a string; fakeredis's Lua gives a userdata)
-  if string.find(text, 'WRONGTYPE', 1, true) then
-    return acc_error('BADTYPE ' .. key .. ' ' .. kind)
-  end
-  return refused(command, key, err)
-end
-
 local function check_types(checks)
   for i = 1, #checks, 2 do
     local key, probe = checks[i], TYPE_PROBES[checks[i + 1]]

@@ -33,7 +33,7 @@ local spread, orphans = ARGV[5] == 'd', KEYS[8]
 if not (is_count(seq) and is_int64(ARGV[3])
     and (inline or ARGV[5] == 'k' or ARGV[5] == 'p' or spread)
     and string.find(ARGV[4], '^[%d,]*$') and is_count(nbytes) and is_count(ARGV[8])
-    and tonumber(ARGV[8]) > 0
+    and ARGV[8] ~= '0'
     and (not inline or (string.sub(ARGV[6], 1, 1) == 'i' and #ARGV[6] - 1 == tonumber(nbytes)))) then
   return acc_error('BADARG apply')
 end
@@ -101,7 +101,8 @@ if inline then
   if type(prev) == 'table' then return probe_error('GET', dedup, 'string', prev.err) end
 else
   err = check_acl({'GET', dedup, 'SET', dedup, 'UNLINK', blob, 'HSET', state,
-    'HINCRBY', state, 'RPUSH', grads, 'PEXPIRE', state, 'PERSIST', blob,
+    'HINCRBY', state, 'RPUSH', grads, 'PEXPIRE', state, 'PEXPIRE', grads, 'PEXPIRE', dedup,
+    'PERSIST', blob, 'PEXPIRE', blob,
     'ZRANGE', KEYS[4], 'HGET', KEYS[5], 'RPUSH', KEYS[6], 'LTRIM', KEYS[6],
     'ZSCORE', orphans, 'ZREM', orphans, 'ZADD', orphans})
   if err then return refuse_dropping(err) end

@@ -56,6 +56,12 @@ err = check_acl({'UNLINK', claim, 'UNLINK', some_blob, 'HSET', state,
   'HSET', KEYS[9], 'HDEL', KEYS[9], 'HGETALL', KEYS[9], 'EXISTS', claim,
   'RENAME', claim, 'LRANGE', grads, 'ZCARD', takers, 'ZRANGE', takers,
   'ZSCORE', takers, 'HGET', info_key, 'HGET', state, 'TIME', false, 'ZADD', KEYS[10],
+  'PEXPIRE', takers, 'PEXPIRE', info_key, 'PEXPIRE', KEYS[8], 'PEXPIRE', KEYS[9],
+  -- and what the taker's wait, its finish (finish.lua) and its giving back (leave.lua) need:
+  -- a take that could claim but not finish, or wait but not leave, is refused before it starts
+  'BLPOP', KEYS[6], 'LPOP', claim, 'RPUSH', claim, 'LRANGE', claim, 'PERSIST', grads,
+  'PEXPIRE', grads, 'RPUSH', KEYS[6], 'LTRIM', KEYS[6], 'ZADD', base .. ':cd',
+  'ZREMRANGEBYSCORE', base .. ':cd', 'PEXPIRE', base .. ':cd',
   'GET', some_blob})
 if err then return err end
 err = check_types({grads, 'list', takers, 'zset', info_key, 'hash', claim, 'list',

@@ -17,7 +17,7 @@ from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.exceptions import NoScriptError, ResponseError
 
 from .. import _retry, _scripts
-from .._errors import CancelledError
+from .._errors import AccumulatorError, CancelledError
 from .._model import AccumulatorModel, server_of
 from .._requests import (
     Batch,
@@ -409,7 +409,10 @@ class AccumulatorBase(AccumulatorModel):
         try:
             commands, run = _scripts.behind_wait(key, timeout, then)
             await conn.send_packed_command(conn.pack_commands(commands))
-            await conn.read_response()
+            try:
+                await conn.read_response()
+            except ResponseError as exc:
+                _scripts.raise_translated(exc)  # (BLPOP refused by the ACL: ours)
             if run is not None:
                 try:
                     reply, error = await conn.read_response(), None
@@ -437,7 +440,11 @@ class AccumulatorBase(AccumulatorModel):
         except Exception as exc:
             if self._closed:
                 raise CancelledError("the accumulator was closed while waiting") from None
-            if not (_retry.is_transient(exc) or isinstance(exc, OSError)):
+            # (our errors are never a connection's fault: PermissionDeniedError is an
+            # OSError, as Python's PermissionError)
+            if isinstance(exc, AccumulatorError) or not (
+                _retry.is_transient(exc) or isinstance(exc, OSError)
+            ):
                 raise
             logger.debug("wait on %s interrupted: %s", self._keys.base, exc)
             await asyncio.sleep(0.05)  # a refused reconnect fails at once: do not spin
