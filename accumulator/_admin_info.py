@@ -249,18 +249,18 @@ def _takers(
     return tuple(out)
 
 
-def live_takers(queued: int, leases: dict[bytes, bytes], now: int | None) -> int:
-    """How many of the queued takers still wait: those whose lease has not run out (a taker
-    killed while it waited stays queued until the next take prunes it). Without the server's
-    time, or with a lease this library did not write, every queued one counts."""
+def live_takers(queued: list[bytes], leases: Mapping[bytes, bytes], now: int | None) -> int:
+    """How many of the queued takers (the takers zset's members) still wait: those whose
+    lease has not run out (a taker killed while it waited stays queued until the next take
+    prunes it). Without the server's time, or with a lease this library did not write, a
+    queued one counts."""
     if now is None:
-        return queued
-    gone = 0
-    for info in leases.values():
-        parts = _text(info).split()
-        if len(parts) == 3 and parts[1].isdigit() and int(parts[1]) <= now:
-            gone += 1
-    return max(0, queued - gone)
+        return len(queued)
+    live = 0
+    for member in queued:
+        parts = _text(leases.get(member)).split()
+        live += not (len(parts) == 3 and parts[1].isdigit() and int(parts[1]) <= now)
+    return live
 
 
 def queue_time(r: Any, pipe: Any) -> Callable[[list[Any]], list[Any]]:

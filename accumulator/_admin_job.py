@@ -185,14 +185,14 @@ def describe_job(
     for name, *_ in specs:
         acc = Keys(container, f"{job}/{name}", prefix)
         pipe.hmget(acc.state, ["schema", "step", "count"])
-        pipe.zcard(acc.takers)
+        pipe.zrange(acc.takers, 0, -1)
         pipe.hgetall(acc.taker_info)
         pipe.hgetall(acc.claims)
     replies = pipe.execute() if specs else []
     params = []
     for i, (name, kind, dtype, shape) in enumerate(specs):
         (schema, acc_step, count), queued, leases, registry = replies[4 * i : 4 * i + 4]
-        waiting = live_takers(int(queued or 0), leases, now)
+        waiting = live_takers(queued, leases, now)
         claimed = sum(1 for v in registry.values() if not is_done_mark(v))
         params.append(JobParam(
             name=name, shared_name=f"{job}/{name}", kind=kind, dtype=dtype, shape=shape,

@@ -78,12 +78,14 @@ def list_accumulators(
 ) -> list[Info]:
     """Every accumulator (of one container, if given), sorted by container and name.
 
-    One SCAN over the state keys, then one pipelined round trip: HGETALL of each state and
-    ZCARD of each takers zset. Lifetime statistics are included; takers and claims are not.
+    One SCAN over the state keys, then one pipelined round trip: HGETALL of each state, the
+    members of its takers zset and their leases (the taker info hash), to count the takers
+    that still wait. Lifetime statistics are included; takers and claims are not.
 
-    A foreign key under the prefix does not make the listing fail: an entry whose state or
-    takers key has the wrong type (WRONGTYPE) is listed as an :class:`Unreadable` (an
-    :class:`Info` whose ``error`` says why), in its sorted place. Other errors raise.
+    A foreign key under the prefix does not make the listing fail: an entry whose state,
+    takers or taker info key has the wrong type (WRONGTYPE) is listed as an
+    :class:`Unreadable` (an :class:`Info` whose ``error`` says why), in its sorted place.
+    Other errors raise.
     """
     found: list[tuple[str, str, Keys]] = []
     for raw in _scan(r, state_pattern(container, prefix)):
@@ -107,7 +109,7 @@ def list_accumulators(
     clock = queue_time(r, pipe)
     for _, _, keys in found:
         pipe.hgetall(keys.state)
-        pipe.zcard(keys.takers)
+        pipe.zrange(keys.takers, 0, -1)
         pipe.hgetall(keys.taker_info)
     replies = clock(pipe.execute(raise_on_error=False))
     for reply in replies:
@@ -128,9 +130,8 @@ def list_accumulators(
             continue
         if not state:  # deleted between SCAN and HGETALL
             continue
-        out.append(_info(cont, name, state, live_takers(int(queued or 0), leases or {}, now), now))
+        out.append(_info(cont, name, state, live_takers(queued or [], leases or {}, now), now))
     return out
-
 
 
 def _memory_usage(r: redis.Redis, keys: Iterable[bytes]) -> int | None:
@@ -275,15 +276,14 @@ def describe(
     ]
     if stray:
         logger.debug("%d stray keys under %s", len(stray), keys.base)
-    takers = _takers(ranked, taker_info, now)
     return _info(
         container,
         shared_name,
         state,
-        sum(1 for t in takers if t.lease_remaining_ms is None or t.lease_remaining_ms > 0),
+        live_takers([member for member, _ in ranked], taker_info, now),
         now,
         detailed=True,
-        takers=takers,
+        takers=_takers(ranked, taker_info, now),
         claims=tuple(claims),
         retry_buffers=retry_buffers,
         keys=len(found),
