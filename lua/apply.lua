@@ -216,31 +216,30 @@ else
     drop_payload()
     return first
   end
-end
-if inline then  -- pushed above
-elseif spread then
-  redis.call('ZREM', orphans, entry)  -- in the round now: no sweeper may touch its parts
-  redis.call('RPUSH', grads, entry)
-elseif into then
-  -- At most FOLD parts are added here; the client folds the rest in with fold.lua, a few
-  -- parts per script (one script adding a 64 MiB gradient would block Redis ~25 ms).
-  local n = #payload_keys
-  local added = math.min(n, FOLD)
-  add_parts(into[2], 0, payload_keys, added, st.sum)
-  if not partial then
-    count_in_sum(grads, into[1])
-    payload_keys = into[2]  -- the sum's parts: their expiry follows the round's below
+  if spread then
+    redis.call('ZREM', orphans, entry)  -- in the round now: no sweeper may touch its parts
+    redis.call('RPUSH', grads, entry)
+  elseif into then
+    -- At most FOLD parts are added here; the client folds the rest in with fold.lua, a few
+    -- parts per script (one script adding a 64 MiB gradient would block Redis ~25 ms).
+    local n = #payload_keys
+    local added = math.min(n, FOLD)
+    add_parts(into[2], 0, payload_keys, added, st.sum)
+    if not partial then
+      count_in_sum(grads, into[1])
+      payload_keys = into[2]  -- the sum's parts: their expiry follows the round's below
+    else
+      redis.call('RPUSH', grads, 'f' .. int_str(added) .. ' ' .. int_str(n) .. ' ' .. blob)
+      local left = {}
+      for i = added + 1, n do left[#left + 1] = payload_keys[i] end
+      for _, key in ipairs(into[2]) do left[#left + 1] = key end
+      payload_keys = left  -- its own parts still held, and the sum's
+    end
+  elseif summing then
+    redis.call('RPUSH', grads, 's1 ' .. string.sub(entry, 2))
   else
-    redis.call('RPUSH', grads, 'f' .. int_str(added) .. ' ' .. int_str(n) .. ' ' .. blob)
-    local left = {}
-    for i = added + 1, n do left[#left + 1] = payload_keys[i] end
-    for _, key in ipairs(into[2]) do left[#left + 1] = key end
-    payload_keys = left  -- its own parts still held, and the sum's
+    redis.call('RPUSH', grads, entry)
   end
-elseif summing then
-  redis.call('RPUSH', grads, 's1 ' .. string.sub(entry, 2))
-else
-  redis.call('RPUSH', grads, entry)
 end
 count = count + 1
 redis.call('HSET', state, 'count', int_str(count), 'bytes', int_str(total),
