@@ -22,7 +22,7 @@ from . import _retry, _scripts, _take
 from ._cluster_batch import by_node_batch, each, is_script, on_node, per_node
 from ._connection import Client, Connections, connect
 from ._direct import execute_batch, pooled
-from ._errors import AccumulatorError, CancelledError
+from ._errors import CancelledError
 from ._keys import SCHEMA_VERSION, Keys
 from ._model import AccumulatorModel, server_of
 from ._requests import (
@@ -309,11 +309,7 @@ class AccumulatorBase(AccumulatorModel):
         except Exception as exc:
             if self._closed:  # its connection was cut under it (whatever redis-py raises then)
                 raise CancelledError("the accumulator was closed while waiting") from None
-            # (our errors are never a connection's fault: PermissionDeniedError is an
-            # OSError, as Python's PermissionError)
-            if isinstance(exc, AccumulatorError) or not (
-                _retry.is_transient(exc) or isinstance(exc, OSError)
-            ):
+            if not _retry.breaks_wait(exc):
                 raise
             logger.debug("wait on %s interrupted: %s", self._keys.base, exc)
             time.sleep(0.05)  # a refused reconnect fails at once: do not spin

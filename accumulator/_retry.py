@@ -33,7 +33,12 @@ from redis.exceptions import (
     TryAgainError,
 )
 
-from ._errors import InvalidArgumentError, UnavailableError, permission_denied
+from ._errors import (
+    AccumulatorError,
+    InvalidArgumentError,
+    UnavailableError,
+    permission_denied,
+)
 
 logger = logging.getLogger("accumulator")
 
@@ -94,6 +99,15 @@ def checked_window(seconds: object) -> float:
 def is_transient(exc: BaseException) -> bool:
     """A fault the retry window absorbs (connection refused or reset, timeouts, LOADING)."""
     return isinstance(exc, TRANSIENT) and not isinstance(exc, _PERMANENT)
+
+
+def breaks_wait(exc: BaseException) -> bool:
+    """Whether a blocking wait that raised ``exc`` met a fault of its connection (the taker
+    re-checks: the take script rides it out) rather than an error to raise. Our errors never
+    are one: PermissionDeniedError is an OSError, as Python's PermissionError."""
+    if isinstance(exc, AccumulatorError):
+        return False
+    return is_transient(exc) or isinstance(exc, OSError)
 
 
 @dataclass

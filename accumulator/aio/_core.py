@@ -17,7 +17,7 @@ from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.exceptions import NoScriptError, ResponseError
 
 from .. import _retry, _scripts
-from .._errors import AccumulatorError, CancelledError
+from .._errors import CancelledError
 from .._model import AccumulatorModel, server_of
 from .._requests import (
     Batch,
@@ -440,11 +440,7 @@ class AccumulatorBase(AccumulatorModel):
         except Exception as exc:
             if self._closed:
                 raise CancelledError("the accumulator was closed while waiting") from None
-            # (our errors are never a connection's fault: PermissionDeniedError is an
-            # OSError, as Python's PermissionError)
-            if isinstance(exc, AccumulatorError) or not (
-                _retry.is_transient(exc) or isinstance(exc, OSError)
-            ):
+            if not _retry.breaks_wait(exc):
                 raise
             logger.debug("wait on %s interrupted: %s", self._keys.base, exc)
             await asyncio.sleep(0.05)  # a refused reconnect fails at once: do not spin
