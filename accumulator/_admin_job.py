@@ -8,13 +8,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from typing import Any, cast
+from types import SimpleNamespace
+from typing import Any, NamedTuple, cast
 
 import msgpack
 import redis
 
+from . import _fusion
 from ._admin_info import _int, _server_ms, _text, live_takers, queue_time
 from ._admin_ops import delete
+from ._codec import resolve_dtype
 from ._errors import InvalidArgumentError, NotFoundError
 from ._keys import DEFAULT_PREFIX, SYNC_PREFIX, Keys, SyncKeys, is_done_mark
 
@@ -128,21 +131,35 @@ class JobInfo:
         return out
 
 
-def _job_specs(meta: bytes | None) -> tuple[list[tuple[str, str, str, tuple[int, ...] | None]],
-                                            int | None, str | None, str | None]:  # fmt: skip
-    """(params [(name, kind, dtype, shape)], replicas, reduction, error) from the msgpack
-    metadata a chief publishes; tolerant of what it cannot read."""
+class _Spec(NamedTuple):
+    name: str
+    kind: str
+    dtype: str
+    shape: tuple[int, ...] | None
+
+
+def _job_specs(meta: bytes | None) -> tuple[list[_Spec], int | None, str | None, str | None,
+                                            dict[str, str]]:  # fmt: skip
+    """(params, replicas, reduction, error, parameter name -> the name of its accumulator in
+    the job: its own, or its fused bucket's) from the msgpack metadata a chief publishes;
+    tolerant of what it cannot read."""
     if meta is None:
-        return [], None, None, None
+        return [], None, None, None, {}
     try:
         raw = msgpack.unpackb(meta, raw=False)
         specs = []
         for name, kind, dtype, shape in raw["params"]:
             dims = None if shape is None else tuple(int(d) for d in shape)
-            specs.append((str(name), str(kind), str(dtype), dims))
-        return specs, _int(raw.get("replicas"), None), str(raw.get("reduction")), None
+            specs.append(_Spec(str(name), str(kind), str(dtype), dims))
+        units = {s.name: s.name for s in specs}
+        fusion = _int(raw.get("fusion"), 0) or 0
+        if fusion:
+            typed = [SimpleNamespace(**{**s._asdict(), "dtype": resolve_dtype(s.dtype)})
+                     for s in specs]  # fmt: skip
+            units = {m: u.name for m, u in _fusion.unit_of(_fusion.plan(typed, fusion)).items()}
+        return specs, _int(raw.get("replicas"), None), str(raw.get("reduction")), None, units
     except Exception as exc:  # noqa: BLE001 - show what can be shown, keep the reason
-        return [], None, None, f"unreadable job metadata: {exc}"
+        return [], None, None, f"unreadable job metadata: {exc}", {}
 
 
 def _chief(raw: Mapping[bytes, bytes], now: int | None) -> ChiefLease | None:
@@ -180,9 +197,10 @@ def describe_job(
         where = f" in container {container!r}" if container else ""
         raise NotFoundError(f"no sync job named {job!r}{where}")
     now = _server_ms(now_reply)
-    specs, replicas, reduction, meta_error = _job_specs(meta)
+    specs, replicas, reduction, meta_error, unit_of = _job_specs(meta)
+    accs = list(dict.fromkeys(unit_of[s.name] for s in specs))  # each accumulator once
     pipe = r.pipeline(transaction=False)
-    for name, *_ in specs:
+    for name in accs:
         acc = Keys(container, f"{job}/{name}", prefix)
         pipe.hmget(acc.state, ["schema", "step", "count"])
         pipe.zrange(acc.takers, 0, -1)
@@ -190,12 +208,13 @@ def describe_job(
         pipe.hgetall(acc.claims)
     replies = pipe.execute() if specs else []
     params = []
-    for i, (name, kind, dtype, shape) in enumerate(specs):
+    for name, kind, dtype, shape in specs:
+        i = accs.index(unit_of[name])
         (schema, acc_step, count), queued, leases, registry = replies[4 * i : 4 * i + 4]
         waiting = live_takers(queued, leases, now)
         claimed = sum(1 for v in registry.values() if not is_done_mark(v))
         params.append(JobParam(
-            name=name, shared_name=f"{job}/{name}", kind=kind, dtype=dtype, shape=shape,
+            name=name, shared_name=f"{job}/{unit_of[name]}", kind=kind, dtype=dtype, shape=shape,
             step=None if schema is None else _int(acc_step) or 0, pending=_int(count) or 0,
             takers_waiting=int(waiting or 0), claimed=claimed,
         ))  # fmt: skip
@@ -222,7 +241,11 @@ def _job_findings(info: JobInfo) -> tuple[list[str], list[str]]:
         warnings.append(info.meta_error)
     if not info.published:
         notes.append("no parameters published (counters only: a job deleted or not initialized)")
+    seen: set[str] = set()
     for p in info.params:
+        if p.shared_name in seen:  # (parameters fused into one accumulator: said once)
+            continue
+        seen.add(p.shared_name)
         what = f"accumulator {p.shared_name!r}"
         if p.step is None:
             warnings.append(f"{what} is missing (deleted, or lost by a server restart without "
@@ -279,9 +302,9 @@ def delete_job(
             f"sync job {job!r} is not finished (published step {_int(step)}); pass force to "
             "delete it anyway"
         )
-    specs, *_ = _job_specs(meta)
+    specs, *_, unit_of = _job_specs(meta)
     removed = 0
-    for name, *_ in specs:
+    for name in dict.fromkeys(unit_of[s.name] for s in specs):
         try:
             removed += delete(r, f"{job}/{name}", container, prefix=prefix)
         except NotFoundError:

@@ -10,6 +10,7 @@ import numpy as np
 from . import _reduce
 from ._apply import apply
 from ._codec import (
+    Shape,
     as_array,
     check_payload_size,
     format_shape,
@@ -27,6 +28,21 @@ from ._errors import InvalidArgumentError
 from ._model import MAX_PAYLOAD_BYTES, AccumulatorModel
 from ._requests import Ops
 from ._take import Cancel, Claim, take
+
+
+def checked_dense(grad: Any, dtype: np.dtype, shape: Shape) -> np.ndarray:
+    """``grad`` as the wire array of a dense accumulator of ``dtype`` and ``shape``, after
+    every check that does not need Redis (castable dtype, shape, size, range): no copy when
+    it already is one. The checks run on the metadata first: the cast copies, and a
+    wrong-shaped broadcast view (np.broadcast_to(1.0, (2**31, 4))) must not be
+    materialized."""
+    arr = as_array(grad, dtype)
+    if not shape_compatible(shape, arr.shape):
+        raise InvalidArgumentError(
+            f"Shape mismatch: expected {format_shape(shape)}, got {format_shape(arr.shape)}"
+        )
+    check_payload_size(wire_nbytes(arr, dtype), MAX_PAYLOAD_BYTES)
+    return to_wire(arr, dtype)
 
 
 class DenseOps(AccumulatorModel):
@@ -52,17 +68,8 @@ class DenseOps(AccumulatorModel):
 
     def _checked(self, grad: Any) -> np.ndarray:
         """The gradient as the wire array, after every check that does not need Redis
-        (dtype, declared shape, size, range). The checks run on the metadata first: the cast
-        copies, and a wrong-shaped broadcast view (np.broadcast_to(1.0, (2**31, 4))) must not
-        be materialized."""
-        arr = as_array(grad, self.dtype)
-        if not shape_compatible(self.shape, arr.shape):
-            raise InvalidArgumentError(
-                f"Shape mismatch: expected {format_shape(self.shape)}, "
-                f"got {format_shape(arr.shape)}"
-            )
-        check_payload_size(wire_nbytes(arr, self.dtype), MAX_PAYLOAD_BYTES)
-        return to_wire(arr, self.dtype)
+        (:func:`checked_dense` against the declared dtype and shape)."""
+        return checked_dense(grad, self.dtype, self.shape)
 
     def _take_grad_ops(
         self,

@@ -23,7 +23,6 @@ from accumulator import _scripts
 from accumulator._keys import Keys, SyncKeys
 from accumulator.sync import (
     ChiefConflictError,
-    ParameterServer,
     TrainingFinished,
     Worker,
     accumulator_name,
@@ -31,6 +30,16 @@ from accumulator.sync import (
 )
 
 LR = 0.5
+
+
+class ParameterServer(accumulator.sync.ParameterServer):
+    """These tests look into each parameter's own accumulator (``ps._accs["w"]``, a round of
+    "w" claimed, "emb" read): one per parameter, no fusion (test_sync_fusion.py has the
+    same recoveries with fused parameters)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("fusion_bytes", 0)
+        super().__init__(*args, **kwargs)
 
 
 def _params(big: bool = False) -> dict[str, np.ndarray]:

@@ -17,7 +17,7 @@ from typing import Any, cast
 import numpy as np
 from redis.exceptions import NoScriptError, ResponseError
 
-from .. import _admin, _chunks, _retry, _scripts
+from .. import _admin, _chunks, _fusion, _retry, _scripts
 from .._codec import scalar_int
 from .._connection import Client, require_transactions
 from .._errors import (
@@ -65,6 +65,12 @@ class ParameterServer(_Job):
     id as the one that crashed takes over at once instead of waiting for its lease to run
     out (never give two live chiefs one id). ``retry_window``: seconds of Redis outage every
     operation rides through.
+
+    ``fusion_bytes``: dense parameters smaller than this share accumulators, in buckets of up
+    to this many bytes (Horovod's tensor fusion, PyTorch DDP's buckets): a model of many
+    small tensors then costs a few accumulators per step instead of one per tensor; the
+    gradients and the update are the same. 0: one accumulator per parameter. It is part of
+    the job: set when the job is created, and kept by a chief that resumes it.
     """
 
     def __init__(
@@ -79,8 +85,12 @@ class ParameterServer(_Job):
         chief_id: str | None = None,
         chief_lease: float = CHIEF_LEASE_SECONDS,
         retry_window: float = _retry.RETRY_WINDOW,
+        fusion_bytes: int = _fusion.DEFAULT_FUSION_BYTES,
     ) -> None:
         replicas = scalar_int(replicas_to_aggregate, "replicas_to_aggregate")
+        fusion = scalar_int(fusion_bytes, "fusion_bytes")
+        if fusion < 0:
+            raise ValueError(f"fusion_bytes must be >= 0, got {fusion}")
         if replicas < 1:
             raise InvalidArgumentError(f"replicas_to_aggregate must be >= 1, got {replicas}")
         if reduction_type not in ("MEAN", "SUM"):
@@ -93,6 +103,9 @@ class ParameterServer(_Job):
         self.replicas_to_aggregate = replicas
         self.sparse = frozenset(sparse)
         self.reduction_type = reduction_type
+        #: What a job this chief creates fuses (a resumed job keeps its own: ``_fusion``).
+        self.fusion_bytes = fusion
+        self._fusion = fusion
         #: This chief's name in the job's chief lease.
         self.chief_id = chief_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._lease = _ChiefLease(self._redis, chief_key(self.keys), job, self.chief_id,
@@ -175,6 +188,7 @@ class ParameterServer(_Job):
         ``wait_for_chief`` seconds for it to run out.
         """
         specs, arrays = specs_for(params, self.sparse)
+        _fusion.plan(specs, self.fusion_bytes)  # (reserved names) before anything is read
         step = scalar_int(step, "step")  # checked before anything is read or deleted
         if resume:
             published = self._read_published()
@@ -196,7 +210,8 @@ class ParameterServer(_Job):
                     return self._load_finished(published)
                 return self._resume(published)
             self._wipe(specs)
-            self._open_accumulators(specs, self.reduction_type)
+            self._fusion = self.fusion_bytes
+            self._open_accumulators(specs, self.reduction_type, self._fusion)
             if step:
                 for acc in self._accs.values():
                     acc.set_global_step(step)
@@ -215,11 +230,12 @@ class ParameterServer(_Job):
         """A finished job stays finished: load its final state, write nothing but the seal of
         its accumulators (a chief that died between its final publish and the seal left
         them open to pushes)."""
-        self._specs = list(published.specs)
+        self._close_accumulators()
+        self._specs, self._fusion = list(published.specs), published.fusion
+        self._units = _fusion.plan(published.specs, published.fusion)
         self._params, self._run, self._step = published.params, published.run, published.step
         self._taken, self._done, self._unpublished = {}, True, None
-        self._close_accumulators()
-        self._seal_stored(published.specs, published.step)
+        self._seal_stored(self._units, published.step)
         logger.info(
             "sync job %r is finished (at step %d): not restarted; its final parameters are "
             "loaded (initialize(resume=False) starts the job anew)", self.job, published.step,
@@ -227,7 +243,11 @@ class ParameterServer(_Job):
         return published.step
 
     def _resume(self, published: Published) -> int:
-        self._open_accumulators(published.specs, published.reduction)
+        if published.fusion != self.fusion_bytes:
+            logger.info("sync job %r was created with fusion_bytes=%d: resumed with it (not "
+                        "%d)", self.job, published.fusion, self.fusion_bytes)  # fmt: skip
+        self._fusion = published.fusion
+        self._open_accumulators(published.specs, published.reduction, published.fusion)
         self._params, self._run = published.params, published.run
         self._published_version, self._older_version = (published.run, published.step), None
         self._taken, self._done, self._unpublished = {}, False, None
@@ -267,7 +287,7 @@ class ParameterServer(_Job):
             # is handed to this chief's take (the accumulator's step is not advanced again);
             # a round it had read is lost: that parameter gets a zero gradient this step.
             for name in lost:
-                self._taken[name] = zero_grad(next(s for s in self._specs if s.name == name))
+                self._taken[name] = self._zero_grad(name)
             logger.warning(
                 "sync job %r: the previous chief died during step %d, after taking %s; "
                 "rounds handed over to this chief: %s; lost (a zero gradient this step): %s",
@@ -278,6 +298,13 @@ class ParameterServer(_Job):
             self._publish(meta=True)
         logger.info("sync job %r resumed at step %d", self.job, at)
         return at
+
+    def _zero_grad(self, unit_name: str) -> Any:
+        """A gradient of the accumulator ``unit_name`` that changes nothing."""
+        unit = next(u for u in self._units if u.name == unit_name)
+        if unit.fused:
+            return _fusion.zero(unit)
+        return zero_grad(next(s for s in self._specs if s.name == unit_name))
 
     def _skip_to(self, published: Published, steps: dict[str, int]) -> int:
         """Accumulators more than one step ahead (set by hand, two chiefs): align them all
@@ -319,8 +346,13 @@ class ParameterServer(_Job):
         return self._io("reading claimed rounds", read)
 
     def _wipe(self, specs: list[ParamSpec]) -> None:
+        """Delete the job: its parameters, counters, and the accumulators of ``specs``
+        (fused as this chief fuses) and of the job as published."""
         old = self._read_published(with_params=False)
-        names = {s.name for s in specs} | {s.name for s in (old.specs if old else [])}
+        units = _fusion.plan(specs, self.fusion_bytes)
+        if old is not None:
+            units += _fusion.plan(old.specs, old.fusion)
+        names = {u.name for u in units} | {s.name for s in specs}
         for name in sorted(names):
             shared = accumulator_name(self.job, name)
             with contextlib.suppress(NotFoundError):
@@ -333,7 +365,7 @@ class ParameterServer(_Job):
         run, step = self._run, self.global_step
         mapping = encode_published(
             run, step, done, self._specs,
-            (self.replicas_to_aggregate, self.reduction_type) if meta else None,
+            (self.replicas_to_aggregate, self.reduction_type, self._fusion) if meta else None,
         )  # fmt: skip
         parts = []
         for j, spec in enumerate(self._specs):
@@ -454,15 +486,15 @@ class ParameterServer(_Job):
 
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            todo = [spec for spec in self._specs if spec.name not in self._taken]
+            todo = [unit for unit in self._units if unit.name not in self._taken]
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             # the takes stop (giving back what they claimed) while the lease may have run out
             outcomes = run_together([
                 (acc, acc._take_grad_ops(self.replicas_to_aggregate, left, None,
                                    cancel=self._lease.guard))
-                for acc in (self._accs[spec.name] for spec in todo)
+                for acc in (self._accs[unit.name] for unit in todo)
             ], taken)  # fmt: skip
-            failures = [(spec, value) for spec, (ok, value) in zip(todo, outcomes, strict=True)
+            failures = [(unit, value) for unit, (ok, value) in zip(todo, outcomes, strict=True)
                         if not ok]  # fmt: skip
             if not (any(isinstance(exc, CancelledError) for _, exc in failures)
                     and self._lease.guard.is_set()):  # fmt: skip
@@ -475,10 +507,10 @@ class ParameterServer(_Job):
                 "gave their rounds back; renewing it", self.job, self._lease.since_renewed(),
             )  # fmt: skip
             self._lease.check(renew=True)
-        late = [(spec, exc) for spec, exc in failures if isinstance(exc, DeadlineExceededError)]
+        late = [(unit, exc) for unit, exc in failures if isinstance(exc, DeadlineExceededError)]
         if late:
             kept = sorted(self._taken)
-            names = ", ".join(f"{spec.name!r} ({spec.kind})" for spec, _ in late)
+            names = ", ".join(unit.describe() for unit, _ in late)
             raise DeadlineExceededError(
                 f"sync job {self.job!r}, step {self._step}: parameter{'s' * (len(late) > 1)} "
                 f"{names} did not get {self.replicas_to_aggregate} gradients within "
@@ -489,7 +521,8 @@ class ParameterServer(_Job):
             raise failures[0][1]
         self._lease.check(renew=False)  # the publish renews it and is fenced by it
         # the gradients stay taken until the update is made (a raising update gets them again)
-        self._params = apply_update(update, self._specs, self._params, self._taken, self._step)
+        grads = _fusion.split(self._units, self._taken)  # a bucket's: views of its array
+        self._params = apply_update(update, self._specs, self._params, grads, self._step)
         self._taken = {}
         self._step += 1
         return self._finish_step(final)
@@ -530,10 +563,10 @@ class ParameterServer(_Job):
         if failed is not None:
             raise failed
 
-    def _seal_stored(self, specs: list[ParamSpec], step: int) -> None:
+    def _seal_stored(self, units: list[_fusion.Unit], step: int) -> None:
         """Seal the job's accumulators that exist, without opening them (that would create a
         deleted one again): their schemas in one pipeline, then ``lua/seal.lua`` each."""
-        states = [Keys(self.container, accumulator_name(self.job, s.name)).state for s in specs]
+        states = [Keys(self.container, accumulator_name(self.job, u.name)).state for u in units]
 
         def schemas() -> list[Any]:
             pipe = self.redis.pipeline(transaction=False)
@@ -556,6 +589,7 @@ class ParameterServer(_Job):
         self._wipe(self._specs)
         self._lease.release()
         self._specs, self._params, self._step, self._done = [], {}, None, False
+        self._units = []
 
     def close(self) -> None:
         """Release the chief lease (another chief may start at once), the accumulators and

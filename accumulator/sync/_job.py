@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 import numpy as np
 import redis
 
-from .. import _admin, _chunks, _retry
+from .. import _admin, _chunks, _fusion, _retry
 from .._codec import wire_dtype
 from .._connection import Client, connect
 from .._dense import ConditionalAccumulator
@@ -59,7 +59,8 @@ def accumulator_name(job: str, param: str) -> str:
 
 @dataclass(frozen=True)
 class ParamStats:
-    """One parameter's accumulator, as its scripts count (every host's activity)."""
+    """One parameter's accumulator, as its scripts count (every host's activity); the
+    parameters fused into one bucket share it (``shared_name`` is the bucket's)."""
 
     shared_name: str
     kind: str
@@ -96,7 +97,7 @@ class SyncStats:
     partial: int
     stale: int
     workers: dict[str, WorkerStats]
-    params: dict[str, ParamStats]
+    params: dict[str, ParamStats]  # per parameter
 
     @property
     def accepted(self) -> int:
@@ -152,6 +153,9 @@ class _Job:
         self._redis: redis.Redis = self._conns.commands  # what the accumulators derive from
         self._blocking: redis.Redis = self._conns.blocking  # pub/sub waits only
         self._specs: list[ParamSpec] = []
+        #: the job's accumulators (a parameter's own, or a bucket of fused ones), in order
+        self._units: list[_fusion.Unit] = []
+        #: unit name -> its accumulator
         self._accs: dict[str, ConditionalAccumulator | SparseConditionalAccumulator] = {}
 
     def __repr__(self) -> str:
@@ -170,24 +174,29 @@ class _Job:
 
     @property
     def accumulator_names(self) -> dict[str, str]:
-        """Parameter name -> shared name of its accumulator."""
-        return {s.name: accumulator_name(self.job, s.name) for s in self._specs}
+        """Parameter name -> shared name of its accumulator (``<job>/<parameter>``, or
+        ``<job>/#fused/<i>`` for a parameter fused with others: see ``fusion_bytes``)."""
+        return {m.name: accumulator_name(self.job, u.name)
+                for u in self._units for m in u.members}  # fmt: skip
 
     def _io(self, what: str, fn: Callable[[], _T]) -> _T:
         """``fn()`` retried through transient Redis faults for :attr:`retry_window` seconds."""
         return _retry.call(fn, f"sync job {self.job!r}: {what}", window=self.retry_window)
 
-    def _open_accumulators(self, specs: list[ParamSpec], reduction: str) -> None:
+    def _open_accumulators(self, specs: list[ParamSpec], reduction: str, fusion: int) -> None:
+        """Open the job's accumulators: one per unit of the parameters ``specs`` fused with
+        ``fusion`` bytes (:func:`accumulator._fusion.plan`)."""
+        units = _fusion.plan(specs, fusion)
         self._close_accumulators()
-        for spec in specs:
-            cls = ConditionalAccumulator if spec.kind == "dense" else SparseConditionalAccumulator
+        for unit in units:
+            cls = ConditionalAccumulator if unit.kind == "dense" else SparseConditionalAccumulator
             acc = cls(
-                spec.dtype, spec.shape, shared_name=accumulator_name(self.job, spec.name),
-                name=spec.name, reduction_type=reduction, client=self._redis,
+                unit.dtype, unit.shape, shared_name=accumulator_name(self.job, unit.name),
+                name=unit.name, reduction_type=reduction, client=self._redis,
                 container=self.container, retry_window=self.retry_window,
             )  # fmt: skip
-            self._accs[spec.name] = acc
-        self._specs = list(specs)
+            self._accs[unit.name] = acc
+        self._specs, self._units = list(specs), units
 
     def _close_accumulators(self) -> None:
         for acc in self._accs.values():
@@ -281,18 +290,18 @@ class _Job:
     def stats(self) -> SyncStats:
         """Published step, push counters and every accumulator's statistics (one round trip
         after the parameters are known)."""
-        specs = self._specs
-        if not specs:
+        units = self._units
+        if not units:
             published = self._read_published(with_params=False)
-            specs = published.specs if published else []
+            units = _fusion.plan(published.specs, published.fusion) if published else []
         fields = ["step", "count", "n_applied", "n_stale", "max_stale", "n_taken"]
 
         def read() -> list[Any]:
             pipe = self.redis.pipeline(transaction=False)
             pipe.hmget(self.keys.params, ["step", "done"])
             pipe.hgetall(self.keys.stats)
-            for spec in specs:
-                state = Keys(self.container, accumulator_name(self.job, spec.name)).state
+            for unit in units:
+                state = Keys(self.container, accumulator_name(self.job, unit.name)).state
                 pipe.hmget(state, fields)
             return pipe.execute()
 
@@ -300,10 +309,12 @@ class _Job:
         (step, done), counters = replies[0], replies[1]
         workers = _admin.parse_worker_counters(counters)
         params = {}
-        for spec, values in zip(specs, replies[2:], strict=True):
+        for unit, values in zip(units, replies[2:], strict=True):
             st, count, applied, stale, max_stale, taken = (_int(v) for v in values)
-            params[spec.name] = ParamStats(accumulator_name(self.job, spec.name), spec.kind, st,
-                                           count, applied, stale, max_stale, taken)  # fmt: skip
+            one = ParamStats(accumulator_name(self.job, unit.name), unit.kind, st, count,
+                             applied, stale, max_stale, taken)  # fmt: skip
+            for m in unit.members:  # fused parameters: their bucket's (each was in each push)
+                params[m.name] = one
         return SyncStats(
             step=None if step is None else int(step), done=done == b"1",
             pushes=_int(counters.get(b"pushes")), partial=_int(counters.get(b"partial")),

@@ -23,6 +23,10 @@ if TYPE_CHECKING:
     from redis.typing import EncodableT, FieldT
 
 META_VERSION = 2  # 2: parameters in parts under versioned keys
+#: A job whose small parameters share accumulators (``fusion`` in its metadata): a reader of
+#: version 2 only would open one accumulator per parameter, that no chief takes, and wait
+#: forever; it is refused instead.
+META_VERSION_FUSED = 3
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,7 @@ class Published:
     replicas: int
     reduction: str
     params: dict[str, np.ndarray]
+    fusion: int = 0  # the job's fusion_bytes (accumulator/_fusion.py); 0: none
 
 
 def encode_published(
@@ -67,19 +72,19 @@ def encode_published(
     step: int,
     done: bool,
     specs: list[ParamSpec],
-    meta: tuple[int, str] | None = None,
+    meta: tuple[int, str, int] | None = None,
 ) -> dict[FieldT, EncodableT]:
     """The hash fields of one publish: run, step, done flag and, with ``meta`` (replicas,
-    reduction), the metadata (the specs). The parameters go to their parts
+    reduction, fusion bytes), the metadata (the specs). The parameters go to their parts
     (:func:`param_bytes`)."""
     mapping: dict[FieldT, EncodableT] = {"run": run, "step": step, "done": int(done)}
     if meta is not None:
-        replicas, reduction = meta
-        mapping["meta"] = msgpack.packb(
-            {"v": META_VERSION, "params": [s.pack() for s in specs],
-             "replicas": replicas, "reduction": reduction},
-            use_bin_type=True,
-        )  # fmt: skip
+        replicas, reduction, fusion = meta
+        fields: dict[str, Any] = {"v": META_VERSION, "params": [s.pack() for s in specs],
+                                  "replicas": replicas, "reduction": reduction}  # fmt: skip
+        if fusion:
+            fields.update(v=META_VERSION_FUSED, fusion=fusion)
+        mapping["meta"] = msgpack.packb(fields, use_bin_type=True)
     return mapping
 
 
@@ -99,17 +104,17 @@ def decode_published(job: str, raw: Mapping[bytes, Any]) -> Published | None:
     if raw.get(b"meta") is None or raw.get(b"step") is None:
         return None
     meta = msgpack.unpackb(raw[b"meta"], raw=False)
-    if meta.get("v") != META_VERSION:
+    if meta.get("v") not in (META_VERSION, META_VERSION_FUSED):
         raise RuntimeError(
-            f"sync job {job!r} was published by an incompatible version "
-            f"(metadata version {meta.get('v')!r}, this library reads {META_VERSION})"
+            f"sync job {job!r} was published by an incompatible version (metadata version "
+            f"{meta.get('v')!r}, this library reads {META_VERSION} and {META_VERSION_FUSED})"
         )
     specs = [ParamSpec.unpack(p) for p in meta["params"]]
     params: dict[str, np.ndarray] = {}
     return Published(
         run=raw[b"run"].decode(), step=int(raw[b"step"]), done=raw.get(b"done") == b"1",
         specs=specs, replicas=int(meta["replicas"]), reduction=meta["reduction"],
-        params=params,
+        params=params, fusion=int(meta.get("fusion", 0)),
     )  # fmt: skip
 
 

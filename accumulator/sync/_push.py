@@ -1,5 +1,6 @@
 """A worker's push, checked before anything is applied: every tensor as its accumulator's
-``apply_grad`` will check it (dtype, shape, sparse indices and values, size)."""
+``apply_grad`` will check it (dtype, shape, sparse indices and values, size); the
+parameters fused into a bucket packed into its one gradient."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ from .._codec import check_payload_size, format_shape, to_wire, wire_nbytes
 from .._core import AccumulatorBase
 from .._dense import ConditionalAccumulator
 from .._errors import InvalidArgumentError
+from .._fusion import MemberError, Unit, pack
 from .._model import MAX_PAYLOAD_BYTES
 from .._sparse import SparseConditionalAccumulator
-from ._published import ParamSpec
 
 
 def _sparse_parts(grad: Any, name: str) -> tuple[Any, Any]:
@@ -31,36 +32,41 @@ def _sparse_parts(grad: Any, name: str) -> tuple[Any, Any]:
 
 def validated_push(
     job: str,
-    specs: list[ParamSpec],
+    units: list[Unit],
     accs: Mapping[str, AccumulatorBase],
     grads: Mapping[str, Any],
 ) -> dict[str, tuple[Any, ...]]:
     """Every tensor checked as its accumulator's ``apply_grad`` will (dtype castable, shape,
-    sparse indices and values, size), before any is applied: name -> the arguments of its
-    apply. Raises :class:`~accumulator.InvalidArgumentError` naming the parameter."""
+    sparse indices and values, size), before any is applied: unit name -> the arguments of
+    its apply (a fused bucket's: its parameters' gradients packed into one). Raises
+    :class:`~accumulator.InvalidArgumentError` naming the parameter."""
     out: dict[str, tuple[Any, ...]] = {}
-    for spec in specs:
-        grad = grads[spec.name]
+    for unit in units:
+        name = unit.name
         try:
-            if spec.kind == "sparse":
-                indices, values = _sparse_parts(grad, spec.name)
-                acc = cast(SparseConditionalAccumulator, accs[spec.name])
+            if unit.fused:
+                out[name] = (pack(unit, grads),)
+            elif unit.kind == "sparse":
+                indices, values = _sparse_parts(grads[name], name)
+                acc = cast(SparseConditionalAccumulator, accs[name])
                 # the sparse accumulator's own checks (TF's 1-5 and the declared dims)
                 _, vals = acc._validate(indices, values, None)
                 first = acc._first_error(vals)
                 if first:
                     raise InvalidArgumentError(first)
-                check_payload_size(np.size(indices) * 8 + wire_nbytes(vals, spec.dtype),
+                check_payload_size(np.size(indices) * 8 + wire_nbytes(vals, unit.dtype),
                                    MAX_PAYLOAD_BYTES)  # fmt: skip
                 # converted here (range checked: no value may become inf), so the apply
                 # below cannot fail on it after another tensor went in
-                out[spec.name] = (indices, to_wire(vals, spec.dtype, "gradient values"))
+                out[name] = (indices, to_wire(vals, unit.dtype, "gradient values"))
             else:  # the dense accumulator's own checks and conversion
-                out[spec.name] = (cast(ConditionalAccumulator, accs[spec.name])._checked(grad),)
+                out[name] = (cast(ConditionalAccumulator, accs[name])._checked(grads[name]),)
         except InvalidArgumentError as exc:
+            param = exc.param if isinstance(exc, MemberError) else name
+            shape = next(m.shape for m in unit.members if m.name == param)
             raise InvalidArgumentError(
-                f"push to sync job {job!r}: the gradient of {spec.name!r} "
-                f"({spec.kind} {spec.dtype.name} {format_shape(spec.shape)}) is invalid, "
+                f"push to sync job {job!r}: the gradient of {param!r} "
+                f"({unit.kind} {unit.dtype.name} {format_shape(shape)}) is invalid, "
                 f"nothing was applied: {exc}"
             ) from exc
     return out

@@ -204,7 +204,7 @@ class Worker(_Job):
 
     def _adopt(self, published: Published) -> tuple[int, dict[str, np.ndarray]]:
         if published.run != self._run or published.specs != self._specs:
-            self._open_accumulators(published.specs, published.reduction)
+            self._open_accumulators(published.specs, published.reduction, published.fusion)
             self._run = published.run
             self._partial = None
         self._published = dataclasses.replace(published, params={})
@@ -239,7 +239,7 @@ class Worker(_Job):
                 f"sync job {self.job!r} finished at step {self._step}: a push at step "
                 f"{step} would never be taken; nothing was applied"
             )
-        prepared = validated_push(self.job, self._specs, self._accs, grads)
+        prepared = validated_push(self.job, self._units, self._accs, grads)
         result: dict[str, bool] = {}
         push_id = uuid.uuid4().hex[:16]  # a retried count is recognised and counted once
         if self._partial is not None and self._partial[0] == step:
@@ -253,7 +253,8 @@ class Worker(_Job):
         # every tensor's apply at once, and the push's count: their script calls share round
         # trips. The count is made before the outcome is known, as "all accepted" (the common
         # case); a push with a stale tensor amends it after.
-        todo = [spec for spec in self._specs if spec.name not in result]
+        # (result: unit name -> accepted; a fused bucket's parameters share its outcome)
+        todo = [unit for unit in self._units if unit.name not in result]
         counted = len(todo)  # the count's index among the steps
 
         def applied(i: int, outcome: tuple[bool, Any]) -> None:
@@ -263,9 +264,9 @@ class Worker(_Job):
         count = self._count_call(push_id, "")
         try:
             outcomes = run_together([
-                *((acc, _apply_ops(acc, prepared[spec.name], step))
-                  for spec, acc in ((s, self._accs[s.name]) for s in todo)),
-                (self._accs[names[0]], call_step(count)),
+                *((acc, _apply_ops(acc, prepared[unit.name], step))
+                  for unit, acc in ((u, self._accs[u.name]) for u in todo)),
+                (self._accs[self._units[0].name], call_step(count)),
             ], applied)  # fmt: skip
         except BaseException:  # interrupted: what is known to be applied is remembered
             self._partial = (step, dict(result), push_id)
@@ -285,6 +286,7 @@ class Worker(_Job):
                 )  # fmt: skip
             raise failed
         self._partial = None
+        result = {m.name: result[u.name] for u in self._units for m in u.members}
         result = {name: result[name] for name in names}
         n_ok = sum(result.values())
         self.pushes += 1

@@ -1,0 +1,149 @@
+"""accumulator.sync with tensor fusion (the default): small dense parameters share bucket
+accumulators; the gradients, the update, staleness, checks and a chief's recovery are those
+of one accumulator per parameter (test_sync_lifecycle.py has these with no fusion)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from test_sync_lifecycle import LR, _abandoned_claim, _assert_params, _grad, _params, _update
+
+import accumulator
+from accumulator import _admin
+from accumulator._keys import Keys
+from accumulator.sync import ParameterServer, Worker, accumulator_name
+
+
+def _model() -> dict[str, np.ndarray]:
+    """w, b (fused together), emb (sparse), and a float32 pair (a bucket of its own dtype)."""
+    out = _params()
+    out["g"] = np.linspace(0, 1, 5).astype(np.float32)
+    out["h"] = np.float32(2.0) * np.ones((2, 2), np.float32)
+    return out
+
+
+def _grads(params: dict[str, np.ndarray], step: int, k: int) -> dict:
+    g = _grad(params, step, k)
+    g["g"] = params["g"] * (k + 1) + step
+    g["h"] = params["h"] - k
+    return g
+
+
+def test_fused_parameters_get_the_same_update_as_one_accumulator_each(target):
+    ps = ParameterServer("fz", replicas_to_aggregate=2, sparse={"emb"}, client=target.client())
+    plain = ParameterServer("fz0", replicas_to_aggregate=2, sparse={"emb"}, fusion_bytes=0,
+                            client=target.client())  # fmt: skip
+    ps.initialize(_model())
+    plain.initialize(_model())
+    assert ps.accumulator_names == {"w": "fz/#fused/0", "b": "fz/#fused/0", "emb": "fz/emb",
+                                    "g": "fz/#fused/1", "h": "fz/#fused/1"}  # fmt: skip
+    assert set(plain.accumulator_names.values()) == {f"fz0/{n}" for n in _model()}
+    workers = {job: [Worker(job, client=target.client(), worker_id=f"w{k}") for k in range(3)]
+               for job in ("fz", "fz0")}  # fmt: skip
+    for step in range(3):
+        for job, chief in (("fz", ps), ("fz0", plain)):
+            pulled = [w.pull(after=step - 1 if step else None, timeout=5) for w in workers[job]]
+            for k, w in enumerate(workers[job]):
+                s, params = pulled[k]
+                assert s == step
+                accepted = w.push(s, _grads(params, s, k))
+                # the third worker is a backup: late, its push is dropped (all of it)
+                assert set(accepted.values()) == {k < 2}, (job, k, accepted)
+                if k == 1:
+                    assert chief.step(LR, timeout=5) == step + 1
+    for name in _model():
+        np.testing.assert_array_equal(ps.params[name], plain.params[name], err_msg=name)
+    stats = ps.stats()
+    assert stats.params["w"] is stats.params["b"]  # one bucket, counted once per push
+    assert stats.params["w"].shared_name == "fz/#fused/0"
+    assert (stats.params["w"].applied, stats.params["w"].stale) == (6, 3)
+    assert stats.stale_tensors == plain.stats().stale_tensors == 3 * 5
+    for job in workers:
+        for w in workers[job]:
+            w.close()
+    ps.close()
+    plain.close()
+
+
+def test_a_bad_tensor_in_a_bucket_is_named_and_nothing_is_applied(target):
+    ps = ParameterServer("fb", replicas_to_aggregate=1, sparse={"emb"}, client=target.client())
+    ps.initialize(_model())
+    worker = Worker("fb", client=target.client(), worker_id="w0")
+    step, params = worker.pull(timeout=5)
+    grads = _grads(params, step, 0)
+    grads["h"] = np.zeros((2, 3), np.float32)
+    with pytest.raises(accumulator.InvalidArgumentError,
+                       match=r"gradient of 'h' \(dense float32 \[2,2\]\) is invalid, nothing "
+                             r"was applied: Shape mismatch") as info:  # fmt: skip
+        worker.push(step, grads)
+    assert "fb" in str(info.value)
+    assert all(acc.num_accumulated() == 0 for acc in ps._accs.values())
+    grads["h"] = np.full((2, 2), 1e300)  # float32 would make it inf
+    with pytest.raises(accumulator.InvalidArgumentError, match="'h'.*out of its range"):
+        worker.push(step, grads)
+    assert all(acc.num_accumulated() == 0 for acc in ps._accs.values())
+    worker.close()
+    ps.close()
+
+
+@pytest.mark.parametrize("died", ["after-claiming-fused", "after-reading-fused-claiming-emb"])
+def test_a_chief_killed_between_take_and_publish_is_recovered_exactly(target, died):
+    """As test_sync_lifecycle's, with w and b in one bucket: a claimed bucket is handed to
+    the restarted chief; a read one is lost for both its parameters (a zero gradient)."""
+    job = f"fh-{died}"
+    ps = ParameterServer(job, replicas_to_aggregate=2, sparse={"emb"}, client=target.client())
+    ps.initialize(_params())
+    fused = "#fused/0"
+    assert ps.accumulator_names["w"] == ps.accumulator_names["b"] == f"{job}/{fused}"
+    workers = [Worker(job, client=target.client(), worker_id=f"w{k}") for k in range(2)]
+    step, params = workers[0].pull(timeout=5)
+    workers[1].pull(timeout=5)
+    grads = [_grad(params, step, k) for k in range(2)]
+    for k, w in enumerate(workers):
+        assert all(w.push(step, grads[k]).values())
+    if died == "after-claiming-fused":
+        _abandoned_claim(ps._accs[fused], 2)
+        lost: set[str] = set()
+    else:
+        ps._accs[fused].take_grad(2, timeout=5)  # read: w's and b's gradients die with it
+        _abandoned_claim(ps._accs["emb"], 2)
+        lost = {"w", "b"}
+    ps.close()
+    chief = ParameterServer(job, replicas_to_aggregate=2, sparse={"emb"}, fusion_bytes=0,
+                            client=target.client())  # fmt: skip
+    assert chief.initialize(_params()) == 0
+    assert chief.accumulator_names["w"] == f"{job}/{fused}"  # the job's layout, not fusion=0
+    for acc in chief._accs.values():
+        acc.wait_slice = 0.1
+    assert chief.step(LR, timeout=20) == 1
+    expected = _update(_params(), grads, skip=lost)
+    _assert_params(chief.params, expected)
+    r = target.redis()
+    for name in (fused, "emb"):
+        assert int(r.hget(Keys("", accumulator_name(job, name)).state, "step")) == 1
+        info = _admin.describe(r, accumulator_name(job, name))
+        assert info.count == 0 and info.claims == () and info.takers_waiting == 0
+    chief.delete()
+    assert list(r.scan_iter()) == []
+    for w in workers:
+        w.close()
+    chief.close()
+
+
+def test_the_cli_shows_each_parameter_with_its_bucket_and_deletes_the_buckets(target):
+    ps = ParameterServer("fc", replicas_to_aggregate=1, sparse={"emb"}, client=target.client())
+    ps.initialize(_model())
+    worker = Worker("fc", client=target.client(), worker_id="w0")
+    step, params = worker.pull(timeout=5)
+    worker.push(step, _grads(params, step, 0))
+    r = target.redis()
+    info = _admin.describe_job(r, "fc")
+    shown = {p.name: (p.shared_name, p.pending, p.step) for p in info.params}
+    assert shown == {"w": ("fc/#fused/0", 1, 0), "b": ("fc/#fused/0", 1, 0),
+                     "emb": ("fc/emb", 1, 0), "g": ("fc/#fused/1", 1, 0),
+                     "h": ("fc/#fused/1", 1, 0)}  # fmt: skip
+    assert info.warnings == ()
+    ps.close()
+    worker.close()
+    assert _admin.delete_job(r, "fc", force=True) > 0
+    assert list(r.scan_iter()) == []
