@@ -287,8 +287,9 @@ def run_chief(args: argparse.Namespace, url: str, out: TextIO) -> int:
             _say(out, f"job {args.job!r} on {redact_url(url)}: {args.workers} workers, chief "
                       f"takes {replicas} gradients per step; accumulators:")  # fmt: skip
             for spec in ps.specs:
-                _say(out, f"  {ps.accumulator_names[spec.name]:<16} {spec.kind:<6} "
-                          f"{spec.dtype.name} {format_shape(spec.shape)}")  # fmt: skip
+                shape = format_shape(spec.shape)
+                _say(out, f"  {ps.accumulator_names[spec.name]:<16} {spec.name:<4} "
+                          f"{spec.kind:<6} {spec.dtype.name} {shape}")  # fmt: skip
             watch = watch_hint(ps.accumulator_names["emb"], url, args.container)
             _say(out, f"watch one live from another terminal:  {watch}")
         slow = args.workers - 1 if args.slow_worker_delay > 0 and args.workers > 1 else None
@@ -397,8 +398,13 @@ def _summary(args: argparse.Namespace, ps: Any, train: Split, test: Split, t0: f
         mark = " (slow)" if slow is not None and wid == f"worker-{slow}" else ""
         lines.append(f"  {wid}{mark}: {w.pushes} pushed, {w.accepted} accepted, "
                      f"{w.stale} stale, {w.partial} partly stale")  # fmt: skip
-    for p in stats.params.values():
-        lines.append(f"  {p.shared_name} ({p.kind}): {p.applied} applied, {p.stale} stale "
+    held: dict[str, list[str]] = {}  # accumulator -> its parameters (fused: several)
+    for name, p in stats.params.items():
+        held.setdefault(p.shared_name, []).append(name)
+    for shared, names in held.items():
+        p = stats.params[names[0]]
+        what = f"{p.kind}, fused: {', '.join(names)}" if len(names) > 1 else p.kind
+        lines.append(f"  {shared} ({what}): {p.applied} applied, {p.stale} stale "
                      f"(at most {p.max_stale} steps behind), {p.taken} takes")  # fmt: skip
     lines += [
         f"train: loss={train_loss:.4f} accuracy={train_acc:.4f}",

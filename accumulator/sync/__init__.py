@@ -1,5 +1,6 @@
 """Synchronous data-parallel training through Redis, the way TF1's ``SyncReplicasOptimizer``
-did it: one accumulator per parameter, workers apply gradients at their local step, a chief
+did it: an accumulator per parameter (small dense ones fused into buckets: ``fusion_bytes``
+of :class:`ParameterServer`), workers apply gradients at their local step, a chief
 takes ``replicas_to_aggregate`` of them, updates the parameters and publishes them with the
 next step. Framework-agnostic: numpy in, numpy out (torch/jax tensors are accepted through
 ``__array__``).
@@ -10,7 +11,7 @@ The chief::
 
     ps = ParameterServer("mnist", replicas_to_aggregate=3, sparse={"emb"}, client=url)
     ps.initialize({"w": w0, "b": b0, "emb": emb0})  # or resumes a job already published
-    print(ps.accumulator_names)  # {"w": "mnist/w", ...}: `python -m accumulator watch mnist/w`
+    print(ps.accumulator_names)  # {"w": "mnist/w", ...} ("mnist/#fused/0": small ones fused)
     while not ps.finished:  # a finished job stays finished: a re-run chief does nothing
         # plain SGD (or {"w": 0.1, ...}, or fn(params, grads, step)); final: the last update,
         # then workers' pull(after=...) raise TrainingFinished
