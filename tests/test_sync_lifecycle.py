@@ -21,6 +21,7 @@ from _helpers import take_script
 import accumulator
 from accumulator import _scripts
 from accumulator._keys import Keys, SyncKeys
+from accumulator._requests import Command
 from accumulator.sync import (
     ChiefConflictError,
     TrainingFinished,
@@ -532,6 +533,37 @@ def test_a_push_that_fails_part_way_completes_on_retry(target, monkeypatch):
     assert ps.stats().pushes == 1 and worker.pushes == 1
     ps.step(LR, timeout=5)
     _assert_params(ps.params, _update(_params(), [grads]))
+    worker.close()
+    ps.close()
+
+
+def test_a_push_killed_in_the_middle_of_a_large_tensor_is_not_counted(target, monkeypatch):
+    """A push with a tensor over one part (its parts take several round trips) is counted
+    after its applies: a worker killed in the middle of one leaves no count (it was counted
+    as accepted in its first round trip, its gradient never complete)."""
+    ps = ParameterServer("cut", replicas_to_aggregate=1, client=target.client())
+    big = np.zeros(1 << 19, np.float32)  # 2 MiB: two parts
+    ps.initialize({"big": big, "b": np.zeros(2, np.float32)})
+    worker = Worker("cut", client=target.client(), worker_id="w0")
+    step, _ = worker.pull(timeout=5)
+    grads = {"big": np.ones_like(big), "b": np.ones(2, np.float32)}
+
+    def killed(*args, **kwargs):  # the apply's first round trip, then the process is gone
+        yield Command("a large apply's first parts (simulated)", ("PING",))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(worker._accs["big"], "_apply_wire_ops", killed)
+    with pytest.raises(KeyboardInterrupt):
+        worker.push(step, grads)
+    stats = ps.stats()
+    assert stats.pushes == 0 and stats.workers == {}
+    assert ps._accs["big"].num_accumulated() == 0
+    monkeypatch.undo()
+    assert worker.push(step, grads) == {"big": True, "b": True}
+    stats = ps.stats()
+    assert stats.pushes == stats.accepted == 1 and stats.workers["w0"].pushes == 1
+    ps.step(LR, timeout=5)
+    np.testing.assert_array_equal(ps.params["big"], -LR * grads["big"])
     worker.close()
     ps.close()
 

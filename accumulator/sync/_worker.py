@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import redis
 
-from .. import _retry, _scripts
+from .. import _chunks, _retry, _scripts
 from .._codec import scalar_int
 from .._connection import Client
 from .._dense import ConditionalAccumulator
@@ -32,6 +32,13 @@ logger = logging.getLogger("accumulator.sync")
 
 #: Longest sleep of a waiting worker between two looks at the published step.
 POLL_SLICE = 1.0
+
+
+def _payload_bytes(prepared: tuple[Any, ...]) -> int:
+    """The payload bytes of one tensor's apply (``prepared``: from :func:`validated_push`)."""
+    if len(prepared) == 2:  # sparse: (indices, values); the indices travel as int64
+        return int(np.size(prepared[0])) * 8 + int(prepared[1].nbytes)
+    return int(prepared[0].nbytes)
 
 
 def _apply_ops(
@@ -252,7 +259,10 @@ class Worker(_Job):
                 )  # fmt: skip
         # every tensor's apply at once, and the push's count: their script calls share round
         # trips. The count is made before the outcome is known, as "all accepted" (the common
-        # case); a push with a stale tensor amends it after.
+        # case); a push with a stale tensor amends it after. Only when each apply is one round
+        # trip (every payload one part); a push with a larger tensor (its parts take several)
+        # is counted after its applies, with their outcome: a worker killed in the middle of
+        # such a push leaves no count of a push whose gradients never all arrived.
         # (result: unit name -> accepted; a fused bucket's parameters share its outcome)
         todo = [unit for unit in self._units if unit.name not in result]
         counted = len(todo)  # the count's index among the steps
@@ -261,13 +271,16 @@ class Worker(_Job):
             if i < counted and outcome[0]:
                 result[todo[i].name] = bool(outcome[1])
 
-        count = self._count_call(push_id, "")
+        together = all(_payload_bytes(prepared[u.name]) <= _chunks.SOLE_PART_BYTES for u in todo)
+        steps: list[tuple[Any, Ops[Any]]] = [
+            (acc, _apply_ops(acc, prepared[unit.name], step))
+            for unit, acc in ((u, self._accs[u.name]) for u in todo)
+        ]  # fmt: skip
+        if together:
+            steps.append((self._accs[self._units[0].name],
+                          call_step(self._count_call(push_id, ""))))  # fmt: skip
         try:
-            outcomes = run_together([
-                *((acc, _apply_ops(acc, prepared[unit.name], step))
-                  for unit, acc in ((u, self._accs[u.name]) for u in todo)),
-                (self._accs[self._units[0].name], call_step(count)),
-            ], applied)  # fmt: skip
+            outcomes = run_together(steps, applied)
         except BaseException:  # interrupted: what is known to be applied is remembered
             self._partial = (step, dict(result), push_id)
             raise
@@ -292,8 +305,9 @@ class Worker(_Job):
         self.pushes += 1
         self.accepted += n_ok
         self.dropped += len(result) - n_ok
-        if n_ok < len(result):  # amend the count, made as "all accepted"
-            self._amend_count(push_id, "stale" if n_ok == 0 else "partial")
+        outcome = "" if n_ok == len(result) else "stale" if n_ok == 0 else "partial"
+        if outcome or not together:  # amend the count made as "all accepted", or count now
+            self._count_now(push_id, outcome)
         return result
 
     def _finished_push(
@@ -303,7 +317,7 @@ class Worker(_Job):
         push is not counted (its count, made before, is amended to 'none')."""
         self._partial = None
         try:
-            self._amend_count(push_id, "none")
+            self._count_now(push_id, "none")
         except Exception:  # noqa: BLE001 - a counter: the push's outcome is what matters
             logger.warning("sync job %r: could not take back the count of a push into the "
                            "finished job", self.job, exc_info=True)  # fmt: skip
@@ -323,8 +337,9 @@ class Worker(_Job):
         return Call("counting the push", "sync_count", [self.keys.stats],
                     [self.worker_id, push_id, what])  # fmt: skip
 
-    def _amend_count(self, push_id: str, what: str) -> None:
-        """Count the push ``push_id``, counted already, as ``what`` instead (one round trip)."""
+    def _count_now(self, push_id: str, what: str) -> None:
+        """Count the push ``push_id`` as ``what``: a first count, or the amendment of one
+        made before (one round trip)."""
         amend = self._count_call(push_id, what)
         self._io(amend.what, lambda: _scripts.call(self.redis, amend.name, amend.keys, amend.args))
 
