@@ -206,6 +206,15 @@ def _float_into(
     """
     divisor = dtype.type(len(flat) if count is None else count)
     ftz = _ftz(dtype)
+    with np.errstate(over="ignore"):  # a sum past the dtype's range is inf, as TF's: no warning
+        _blocks_into(out, flat, dtype, mean, divisor, ftz)
+
+
+def _blocks_into(
+    out: np.ndarray, flat: Sequence[np.ndarray], dtype: np.dtype, mean: bool,
+    divisor: np.generic, ftz: bool,
+) -> None:  # fmt: skip
+    """:func:`_float_into`'s work, block by block."""
     for start in range(0, max(out.size, 1), _BLOCK):
         part = slice(start, start + _BLOCK)
         acc, first = out[part], flat[0][part]

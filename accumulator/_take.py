@@ -324,7 +324,7 @@ def _timeout_message(acc: AccumulatorModel, n: int, timeout: float) -> Ops[str]:
         have = f"fewer than {n} gradients"
     return (
         f"Timed out waiting for notification: take_grad({n}) on accumulator {where} had "
-        f"{have} after {timeout:g}s"
+        f"{have} after {round(timeout, 3):g}s"
     )
 
 

@@ -697,3 +697,14 @@ def test_a_signaling_nan_does_not_hide_a_small_value(dtype):
         got = dense_reduce([a, b], dt, "SUM")
         assert got[0] == 0 and np.isnan(got[22]) and got[23] == b[23]
         assert _reduce._has_small(np.concatenate([a, b]), dt)
+
+
+@pytest.mark.parametrize("reduction", ["SUM", "MEAN"])
+def test_a_sum_past_the_range_is_inf_as_tfs_without_a_numpy_warning(reduction):
+    big = np.array([60000.0, -60000.0, 1.0], np.float16)
+    out = np.empty(3, np.float16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # numpy's "overflow encountered in add" would raise
+        _reduce.reduce_into(out, [big, big], reduction)
+    assert np.isposinf(out[0]) and np.isneginf(out[1])
+    assert out[2] == (2.0 if reduction == "SUM" else 1.0)

@@ -486,9 +486,10 @@ def test_the_lease_is_renewed_while_the_chief_waits(target):
         ({"emb": ([0], np.ones((1, 3)))}, r"'emb'.*values dim 1"),
         ({"emb": ([0, 1], np.ones((1, 2)))}, r"'emb'.*non-empty input values"),
         ({"w": np.ones((3, 2))}, r"'w'.*Shape mismatch"),
+        ({"emb": np.ones((6, 2))}, r"'emb'.*must be \(indices, values\).*not ndarray"),
     ],
     ids=["dense-shape", "dense-dtype", "sparse-range", "sparse-negative", "sparse-dims",
-         "sparse-count", "first-dense"],  # fmt: skip
+         "sparse-count", "first-dense", "sparse-given-dense"],  # fmt: skip
 )
 def test_a_push_with_one_bad_tensor_applies_nothing(target, bad, match):
     ps = ParameterServer("bad", replicas_to_aggregate=1, sparse={"emb"}, client=target.client())

@@ -24,9 +24,9 @@ def _sparse_parts(grad: Any, name: str) -> tuple[Any, Any]:
         return grad.indices, grad.values
     if isinstance(grad, (tuple, list)) and len(grad) == 2:
         return grad[0], grad[1]
-    raise TypeError(
-        f"the gradient of sparse parameter {name!r} must be (indices, values) or an "
-        f"IndexedSlices, not {type(grad).__name__}"
+    raise InvalidArgumentError(
+        f"a sparse parameter's gradient must be (indices, values) or an IndexedSlices, not "
+        f"{type(grad).__name__}"
     )
 
 
