@@ -18,6 +18,7 @@ result is the same as with one accumulator per parameter.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -70,7 +71,7 @@ class Unit:
 
 
 def _size(shape: Sequence[int]) -> int:
-    return int(np.prod(shape, dtype=np.int64))
+    return math.prod(shape)
 
 
 def plan(specs: Sequence[Any], fusion_bytes: int) -> list[Unit]:

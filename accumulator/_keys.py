@@ -374,7 +374,7 @@ class SyncKeys:
     job: str
     prefix: str = SYNC_PREFIX
 
-    @property
+    @cached_property
     def base(self) -> str:
         """The common prefix of the job's keys (its hash tag included)."""
         return self.prefix + ":" + hash_tag(self.container, self.job)

@@ -244,10 +244,16 @@ def test_announcements_that_do_not_fit_are_read_instead(target):
 
 
 def test_an_announcement_decodes_to_fresh_native_arrays():
-    from accumulator.sync._published import ParamSpec, decode_announcement, encode_announcement
+    from accumulator._fusion import plan
+    from accumulator.sync._published import (
+        ParamSpec,
+        decode_announcement,
+        encode_announcement,
+        unit_bytes,
+    )
 
-    specs = [ParamSpec("a", "dense", np.dtype(">f8"), (2, 3)),
-             ParamSpec("b", "dense", np.dtype("float16"), (4,))]  # fmt: skip
+    specs = plan([ParamSpec("a", "dense", np.dtype(">f8"), (2, 3)),
+                  ParamSpec("b", "dense", np.dtype("float16"), (4,))], 0)  # fmt: skip
     a, b = np.arange(6, dtype=">f8").reshape(2, 3), np.arange(4, dtype=np.float16)
     wire = [np.ascontiguousarray(a, "<f8").reshape(-1).view(np.uint8).data,
             b.view(np.uint8).data]  # fmt: skip
@@ -262,6 +268,17 @@ def test_an_announcement_decodes_to_fresh_native_arrays():
     assert decode_announcement(message, "r", specs[:1]) is None
     assert decode_announcement(encode_announcement("r", 5, False, None), "r", specs) is None
     assert decode_announcement(message[:-3], "r", specs) is None
+    # a fused bucket travels as one buffer; its parameters come back as views of a fresh one
+    fused = plan([ParamSpec("c", "dense", np.dtype("float16"), (2, 2)),
+                  ParamSpec("d", "dense", np.dtype("float16"), ())], 1024)  # fmt: skip
+    values = {"c": np.arange(4, dtype=np.float16).reshape(2, 2), "d": np.float16(7)}
+    message = encode_announcement("r", 6, False, [unit_bytes(fused[0], values)])
+    step, done, params = decode_announcement(message, "r", fused)
+    assert (step, done) == (6, False) and set(params) == {"c", "d"}
+    np.testing.assert_array_equal(params["c"], values["c"])
+    assert params["d"].shape == () and params["d"] == 7
+    assert all(p.flags.writeable for p in params.values())
+    assert decode_announcement(message, "r", specs) is None  # another layout
 
 
 def test_a_pull_without_time_to_wait_still_sees_a_new_step(target):

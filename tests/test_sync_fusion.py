@@ -147,3 +147,37 @@ def test_the_cli_shows_each_parameter_with_its_bucket_and_deletes_the_buckets(ta
     worker.close()
     assert _admin.delete_job(r, "fc", force=True) > 0
     assert list(r.scan_iter()) == []
+
+
+def test_a_model_of_many_small_tensors_is_published_one_buffer_per_bucket(target):
+    """40 tensors of 1 KiB (40 KiB: read, not announced) and one of 2 MiB (its own): the
+    small ones are published as one buffer, and the workers' pulls give every tensor back."""
+    small = {f"p{i:02d}": np.full(256, float(i), np.float32) for i in range(40)}
+    model = {**small, "big": np.zeros(1 << 19, np.float32)}
+    ps = ParameterServer("fm", replicas_to_aggregate=2, client=target.client())
+    ps.initialize(model)
+    assert len(ps._accs) == 2 and set(ps.accumulator_names.values()) == {"fm/#fused/0", "fm/big"}
+    r = target.redis()
+    published = sorted(k.decode().rsplit(":", 2)[1] for k in r.scan_iter(
+        match=ps.keys.versions_pattern))  # the unit index of each part key  # fmt: skip
+    assert published == ["0", "1", "1", "1"]  # the 40 tensors in one; the big one in 3 parts
+    workers = [Worker("fm", client=target.client(), worker_id=f"w{k}") for k in range(2)]
+    expected = {name: value.copy() for name, value in model.items()}
+    for step in range(2):
+        pulled = [w.pull(after=step - 1 if step else None, timeout=5) for w in workers]
+        grads = []
+        for k, (s, params) in enumerate(pulled):
+            assert s == step
+            for name in model:
+                np.testing.assert_array_equal(params[name], expected[name], err_msg=name)
+            grads.append({name: params[name] * 0 + (k + 1) * (step + 1) for name in model})
+            assert all(workers[k].push(s, grads[k]).values())
+        assert ps.step(LR, timeout=5) == step + 1
+        for name in model:
+            expected[name] = expected[name] - LR * np.mean([g[name] for g in grads], axis=0)
+    for name in model:
+        np.testing.assert_allclose(ps.params[name], expected[name], rtol=1e-6, err_msg=name)
+    for w in workers:
+        assert w.pull(after=1, timeout=5)[0] == 2
+        w.close()
+    ps.close()

@@ -40,8 +40,8 @@ from ._published import (
     Published,
     encode_announcement,
     encode_published,
-    nbytes_of,
-    param_bytes,
+    unit_bytes,
+    unit_nbytes,
 )
 
 logger = logging.getLogger("accumulator.sync")
@@ -367,9 +367,9 @@ class ParameterServer(_Job):
             run, step, done, self._specs,
             (self.replicas_to_aggregate, self.reduction_type, self._fusion) if meta else None,
         )  # fmt: skip
-        parts = []
-        for j, spec in enumerate(self._specs):
-            data = param_bytes(spec, self._params[spec.name])
+        parts = []  # one buffer per unit of the job's layout (a fused bucket's packed)
+        for j, unit in enumerate(self._units):
+            data = unit_bytes(unit, self._params)
             parts.append((self.keys.param_parts(run, step, j, data.nbytes), data))
         previous, older = self._published_version, self._older_version
         old_keys = [] if previous in (None, (run, step)) else self._version_keys(*previous)
@@ -438,8 +438,8 @@ class ParameterServer(_Job):
 
     def _version_keys(self, run: str, step: int) -> list[str]:
         """Every part key of the parameters as published at (run, step)."""
-        return [key for j, spec in enumerate(self._specs)
-                for key in self.keys.param_parts(run, step, j, nbytes_of(spec))]  # fmt: skip
+        return [key for j, unit in enumerate(self._units)
+                for key in self.keys.param_parts(run, step, j, unit_nbytes(unit))]  # fmt: skip
 
     def step(self, update: Update, timeout: float | None = None, *, final: bool = False) -> int:
         """Take ``replicas_to_aggregate`` gradients of every parameter, apply ``update``,

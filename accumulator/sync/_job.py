@@ -4,7 +4,8 @@ the parameters, reading the published state, and the job's statistics."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -19,31 +20,55 @@ from .._keys import Keys, SyncKeys
 from .._sparse import SparseConditionalAccumulator
 from .._stream import fill, read_views_into
 from .._wire import hmget_get_into
-from ._published import ParamSpec, Published, decode_published, nbytes_of
+from ._published import (
+    ParamSpec,
+    Published,
+    decode_published,
+    nbytes_of,
+    unit_nbytes,
+    unit_params,
+)
 
 
 @dataclass(frozen=True)
 class Version:
-    """One published version of a job's parameters: (run, step) and the specs they have."""
+    """One published version of a job's parameters: (run, step), the specs they have and
+    the job's fusion bytes (its layout: one published buffer per unit)."""
 
     run: str
     step: int
     specs: tuple[ParamSpec, ...]
+    fusion: int = 0
 
     @classmethod
     def of(cls, published: Published) -> Version:
         """The version ``published`` names."""
-        return cls(published.run, published.step, tuple(published.specs))
+        return cls(published.run, published.step, tuple(published.specs), published.fusion)
 
     @property
     def nbytes(self) -> int:
         """The parameters' bytes in all."""
         return sum(nbytes_of(spec) for spec in self.specs)
 
+    @property
+    def units(self) -> tuple[_fusion.Unit, ...]:
+        """The layout: what each published buffer ``j`` holds."""
+        return _layout(self.specs, self.fusion)
 
-def _native(specs: Sequence[ParamSpec], arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The parameters in native byte order (read as the wire's little-endian arrays)."""
-    return {spec.name: arrays[spec.name].astype(spec.dtype, copy=False) for spec in specs}
+
+@functools.lru_cache(maxsize=16)
+def _layout(specs: tuple[ParamSpec, ...], fusion: int) -> tuple[_fusion.Unit, ...]:
+    # (a worker's every pull plans the version it expects next: the same one each time)
+    return tuple(_fusion.plan(specs, fusion))
+
+
+def _params_of(wires: list[tuple[_fusion.Unit, np.ndarray]]) -> dict[str, np.ndarray]:
+    """The parameters, read into each unit's wire array: native arrays (views of it where
+    the wire's byte order is native; a fused bucket's parameters are views of its array)."""
+    params: dict[str, np.ndarray] = {}
+    for unit, wire in wires:
+        params.update(unit_params(unit, wire))
+    return params
 
 
 class TrainingFinished(Exception):
@@ -155,6 +180,8 @@ class _Job:
         self._specs: list[ParamSpec] = []
         #: the job's accumulators (a parameter's own, or a bucket of fused ones), in order
         self._units: list[_fusion.Unit] = []
+        #: the job's fusion bytes (its layout), as published
+        self._fusion = 0
         #: unit name -> its accumulator
         self._accs: dict[str, ConditionalAccumulator | SparseConditionalAccumulator] = {}
 
@@ -196,7 +223,7 @@ class _Job:
                 container=self.container, retry_window=self.retry_window,
             )  # fmt: skip
             self._accs[unit.name] = acc
-        self._specs, self._units = list(specs), units
+        self._specs, self._units, self._fusion = list(specs), units, fusion
 
     def _close_accumulators(self) -> None:
         for acc in self._accs.values():
@@ -225,7 +252,7 @@ class _Job:
         while True:
             early = None
             if guess is not None and guess.nbytes <= _chunks.SOLE_PART_BYTES:
-                early = self._param_buffers(guess.run, guess.step, guess.specs)
+                early = self._param_buffers(guess)
             head, views = ([], []) if early is None else early[:2]
 
             def look(head: list[str] = head, views: list[memoryview] = views) -> Any:
@@ -249,7 +276,7 @@ class _Job:
                 return published
             params = None
             if early is not None and whole and guess == Version.of(published):
-                params = _native(published.specs, early[2])
+                params = _params_of(early[2])
             if params is None:
                 params = self._read_params(published)
             if params is not None:
@@ -263,29 +290,30 @@ class _Job:
             missing = version
 
     def _param_buffers(
-        self, run: str, step: int, specs: Sequence[ParamSpec]
-    ) -> tuple[list[str], list[memoryview], dict[str, np.ndarray]]:
-        """Every part key of the parameters published at (run, step), the buffer each part
-        is read into, and the (wire-dtype) arrays those buffers are views of."""
+        self, version: Version
+    ) -> tuple[list[str], list[memoryview], list[tuple[_fusion.Unit, np.ndarray]]]:
+        """Every part key of the parameters of ``version``, the buffer each part is read
+        into, and the (wire-dtype) array of each unit of the layout those buffers are views
+        of (one per parameter, or per fused bucket)."""
         keys: list[str] = []
         views: list[memoryview] = []
-        arrays: dict[str, np.ndarray] = {}
-        for j, spec in enumerate(specs):
-            nbytes = nbytes_of(spec)
-            wire = np.empty(spec.shape, wire_dtype(spec.dtype))
+        wires = []
+        for j, unit in enumerate(version.units):
+            nbytes = unit_nbytes(unit)
+            wire = np.empty(unit.shape, wire_dtype(unit.dtype))
             flat = wire.reshape(-1).view(np.uint8).data
-            keys += self.keys.param_parts(run, step, j, nbytes)
+            keys += self.keys.param_parts(version.run, version.step, j, nbytes)
             views += [flat[a:b] for a, b in _chunks.part_ranges(nbytes)]
-            arrays[spec.name] = wire
-        return keys, views, arrays
+            wires.append((unit, wire))
+        return keys, views, wires
 
     def _read_params(self, published: Published) -> dict[str, np.ndarray] | None:
         """Every parameter of the published version, or None when a part of it is gone. The
         parts of all parameters share round trips (a window of bytes each)."""
-        keys, views, arrays = self._param_buffers(published.run, published.step, published.specs)
+        keys, views, wires = self._param_buffers(Version.of(published))
         if not read_views_into(self.redis, self._io, keys, views, "reading the parameters"):
             return None
-        return _native(published.specs, arrays)
+        return _params_of(wires)
 
     def stats(self) -> SyncStats:
         """Published step, push counters and every accumulator's statistics (one round trip

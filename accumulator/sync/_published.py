@@ -1,7 +1,9 @@
 """The published state of a sync job: one small hash (``accsync:{tag}:p``) holding ``run``,
-``step``, ``done`` and ``meta`` (msgpack: the parameter specs, replicas, reduction), and each
-parameter's raw little-endian bytes (never pickle) in parts of one chunk under keys of their
-version, ``accsync:{tag}:v:<run>:<step>:<j>:<i>`` (no command moves more than a chunk).
+``step``, ``done`` and ``meta`` (msgpack: the parameter specs, replicas, reduction, fusion
+bytes), and each parameter's raw little-endian bytes (never pickle) in parts of one chunk
+under keys of their version, ``accsync:{tag}:v:<run>:<step>:<j>:<i>`` (no command moves more
+than a chunk), ``j`` counting the units of the job's layout (accumulator/_fusion.py): a
+parameter, or a fused bucket of small ones, its parameters side by side.
 
 The chief writes a version's parts first, then switches the hash to it in one MULTI, and
 lets the previous version expire a minute later, or deletes it at the next publish, whichever
@@ -10,6 +12,8 @@ the version it names; if that version is gone (two publishes meanwhile), it read
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -18,6 +22,7 @@ import msgpack
 import numpy as np
 
 from .._codec import format_shape, resolve_dtype, wire_dtype
+from .._fusion import Unit
 
 if TYPE_CHECKING:
     from redis.typing import EncodableT, FieldT
@@ -94,8 +99,36 @@ def param_bytes(spec: ParamSpec, value: np.ndarray) -> memoryview:
     return arr.reshape(-1).view(np.uint8).data
 
 
+def unit_bytes(unit: Unit, params: Mapping[str, np.ndarray]) -> memoryview:
+    """What is published for one unit of the job's layout (:func:`accumulator._fusion.plan`):
+    a parameter's wire bytes (no copy when already in wire form), or a fused bucket's
+    parameters side by side in one buffer (a copy: they are small)."""
+    if not unit.fused:
+        return param_bytes(ParamSpec(unit.name, unit.kind, unit.dtype, unit.shape),
+                           params[unit.name])  # fmt: skip
+    out = np.empty(unit.shape, wire_dtype(unit.dtype))
+    for m in unit.members:
+        out[m.offset : m.offset + m.size] = np.asarray(params[m.name]).reshape(-1)
+    return out.view(np.uint8).data
+
+
+def unit_nbytes(unit: Unit) -> int:
+    """The bytes one unit of the layout is published in."""
+    return math.prod(unit.shape) * unit.dtype.itemsize
+
+
+def unit_params(unit: Unit, wire: np.ndarray) -> dict[str, np.ndarray]:
+    """The parameters of one unit from its published wire array (of the unit's shape):
+    views, in their shapes and native dtype where that is the wire's (else copies)."""
+    native = wire.astype(unit.dtype, copy=False)
+    if not unit.fused:
+        return {unit.name: native}
+    return {m.name: native[m.offset : m.offset + m.size].reshape(m.shape) for m in unit.members}
+
+
 def nbytes_of(spec: ParamSpec) -> int:
-    return int(np.prod(spec.shape, dtype=np.int64)) * spec.dtype.itemsize
+    """A parameter's bytes."""
+    return math.prod(spec.shape) * spec.dtype.itemsize
 
 
 def decode_published(job: str, raw: Mapping[bytes, Any]) -> Published | None:
@@ -103,19 +136,30 @@ def decode_published(job: str, raw: Mapping[bytes, Any]) -> Published | None:
     parameters (read from their parts)."""
     if raw.get(b"meta") is None or raw.get(b"step") is None:
         return None
-    meta = msgpack.unpackb(raw[b"meta"], raw=False)
-    if meta.get("v") not in (META_VERSION, META_VERSION_FUSED):
+    version, specs, replicas, reduction, fusion = _decode_meta(bytes(raw[b"meta"]))
+    if version not in (META_VERSION, META_VERSION_FUSED):
         raise RuntimeError(
             f"sync job {job!r} was published by an incompatible version (metadata version "
-            f"{meta.get('v')!r}, this library reads {META_VERSION} and {META_VERSION_FUSED})"
+            f"{version!r}, this library reads {META_VERSION} and {META_VERSION_FUSED})"
         )
-    specs = [ParamSpec.unpack(p) for p in meta["params"]]
     params: dict[str, np.ndarray] = {}
     return Published(
         run=raw[b"run"].decode(), step=int(raw[b"step"]), done=raw.get(b"done") == b"1",
-        specs=specs, replicas=int(meta["replicas"]), reduction=meta["reduction"],
-        params=params, fusion=int(meta.get("fusion", 0)),
+        specs=list(specs), replicas=replicas, reduction=reduction, params=params,
+        fusion=fusion,
     )  # fmt: skip
+
+
+@functools.lru_cache(maxsize=16)
+def _decode_meta(meta: bytes) -> tuple[Any, tuple[ParamSpec, ...], int, str, int]:
+    """(version, specs, replicas, reduction, fusion bytes) of the metadata a chief
+    published; kept for the next look (every pull reads it, and it changes only with the
+    job's definition)."""
+    raw = msgpack.unpackb(meta, raw=False)
+    if raw.get("v") not in (META_VERSION, META_VERSION_FUSED):
+        return raw.get("v"), (), 0, "", 0
+    specs = tuple(ParamSpec.unpack(p) for p in raw["params"])
+    return raw["v"], specs, int(raw["replicas"]), raw["reduction"], int(raw.get("fusion", 0))
 
 
 #: Parameters of at most this many bytes in all travel in the publish's announcement on the
@@ -139,11 +183,12 @@ def encode_announcement(run: str, step: int, done: bool, data: list[memoryview] 
 
 
 def decode_announcement(
-    message: Any, run: str | None, specs: list[ParamSpec]
+    message: Any, run: str | None, units: list[Unit]
 ) -> tuple[int, bool, dict[str, np.ndarray]] | None:
     """``(step, done, parameters)`` of an announcement that carries the parameters of run
-    ``run`` with exactly these specs (fresh native arrays); None for anything else (a step
-    alone, another run, a malformed message): the worker reads the published state then."""
+    ``run`` in exactly this layout (one buffer per unit: fresh native arrays); None for
+    anything else (a step alone, another run, a malformed message): the worker reads the
+    published state then."""
     if not isinstance(message, bytes) or message[:1] != b"\x95" or run is None:
         return None
     try:
@@ -151,12 +196,12 @@ def decode_announcement(
     except (ValueError, TypeError, msgpack.UnpackException):
         return None
     if (tag != _ANNOUNCE_TAG or their_run != run or not isinstance(step, int)
-            or not isinstance(data, list) or len(data) != len(specs)):  # fmt: skip
+            or not isinstance(data, list) or len(data) != len(units)):  # fmt: skip
         return None
     params = {}
-    for spec, raw in zip(specs, data, strict=True):
-        if not isinstance(raw, bytes) or len(raw) != nbytes_of(spec):
+    for unit, raw in zip(units, data, strict=True):
+        if not isinstance(raw, bytes) or len(raw) != unit_nbytes(unit):
             return None
-        wire = np.frombuffer(raw, wire_dtype(spec.dtype)).reshape(spec.shape)
-        params[spec.name] = wire.astype(spec.dtype, copy=True)
+        wire = np.frombuffer(raw, wire_dtype(unit.dtype)).reshape(unit.shape)
+        params.update(unit_params(unit, wire.copy()))  # (frombuffer's array is read-only)
     return step, bool(done), params

@@ -144,7 +144,7 @@ class Worker(_Job):
         # the version a steady worker pulls next: its parameters come with the first look
         guess = None
         if after is not None and self._run is not None and self._specs:
-            guess = Version(self._run, after + 1, tuple(self._specs))
+            guess = Version(self._run, after + 1, tuple(self._specs), self._fusion)
         # Subscribed since the look that gave this worker its step, it has every announcement
         # made after that look in hand: waiting for the next one needs no look first.
         look = not (guess is not None and not self._finished and self._step is not None
@@ -187,7 +187,7 @@ class Worker(_Job):
             # A small model's announcements carry its parameters: no read, unless one of
             # them does not (a step alone, another run, garbage) or none came.
             last = self._published
-            announced = [decode_announcement(m, self._run, self._specs) for m in messages]
+            announced = [decode_announcement(m, self._run, self._units) for m in messages]
             look = last is None or not announced or None in announced
             if not look and last is not None:
                 step, done, params = max((a for a in announced if a), key=lambda a: a[:2])
