@@ -119,7 +119,8 @@ def steps_for(nbytes: int, runs: int) -> int:
 
 
 def run_sync(url: str, path: str, sizes: dict[str, int], workers: int, runs: int,
-             verbose: bool, tensors: int = 1) -> list[SyncRow]:  # fmt: skip
+             verbose: bool, tensors: int = 1, fusion_bytes: int | None = None,
+             ) -> list[SyncRow]:  # fmt: skip
     """The sync helper's step on ``path``'s server: every worker pushes, the chief steps
     (takes, updates, publishes), every worker pulls the new parameters; (path, size, W,
     median ms, the accumulator step's median ms, Redis's ``used_memory`` after the last step
@@ -127,7 +128,8 @@ def run_sync(url: str, path: str, sizes: dict[str, int], workers: int, runs: int
     accumulator step of the same size (W workers apply, the chief takes) alternates with the
     sync steps, on the same server, so that both medians see the same machine; with
     ``tensors``: a model of that many parameters of the size each (the label says so; no
-    accumulator step)."""
+    accumulator step). ``fusion_bytes``: the chief's (default: the library's; the label says
+    when it is given)."""
     from accumulator.sync import ParameterServer
 
     out: list[SyncRow] = []
@@ -135,9 +137,12 @@ def run_sync(url: str, path: str, sizes: dict[str, int], workers: int, runs: int
     for label, nbytes in sizes.items():
         if tensors > 1:
             label = f"{tensors} × {label}"
+        if fusion_bytes is not None:
+            label += f" (fusion_bytes={fusion_bytes})"
         r.flushall()
         job = f"sync/{label}/{workers}"
-        ps = ParameterServer(job, replicas_to_aggregate=workers, client=url)
+        fusion = {} if fusion_bytes is None else {"fusion_bytes": fusion_bytes}
+        ps = ParameterServer(job, replicas_to_aggregate=workers, client=url, **fusion)
         ps.initialize({f"p{k}": np.zeros(nbytes // 4, np.float32) for k in range(tensors)})
         pipes, procs = _start(_sync_worker,
                               [(url, job, nbytes, i, tensors) for i in range(workers)])  # fmt: skip
@@ -399,8 +404,11 @@ def main(argv: list[str] | None = None) -> int:
             if path == paths[0][0]:  # models of many tensors: on the default server
                 small = {k: v for k, v in sizes.items() if v <= MiB}
                 for n in (t for t in args.tensors if t > 1):
-                    sync += run_sync(server.url, path, small, max(args.workers), args.runs,
-                                     not args.quiet, tensors=n)  # fmt: skip
+                    # fused (the default) and, for comparison, one accumulator per tensor
+                    for fusion in (None, 0):
+                        sync += run_sync(server.url, path, small, max(args.workers),
+                                         args.runs, not args.quiet, tensors=n,
+                                         fusion_bytes=fusion)  # fmt: skip
     tf_ms = measure_tf(args.tf_python, sizes, args.runs, not args.quiet) if args.tf_python else None
     print(render(rows, tf_ms))
     if sync:
