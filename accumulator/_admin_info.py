@@ -93,6 +93,8 @@ class Info:
     retry_buffers: int = 0  # finished takes' rounds kept briefly for a retried take (expire)
     keys: int | None = None  # keys of this accumulator found by SCAN
     stray_keys: int = 0  # keys nothing refers to (e.g. payloads of applies that never landed)
+    stray_bytes: int | None = None  # their MEMORY USAGE (``describe`` with memory; else None)
+    stray_expire_ms: int | None = None  # ms until the last of them expires (None: never / none)
     memory_bytes: int | None = None  # MEMORY USAGE summed over keys; None when unavailable
     definition_error: str | None = field(default=None)
     max_pending_bytes: int | None = None  # the pending-bytes limit (None: set by no opener)

@@ -156,6 +156,21 @@ def _memory_usage(r: redis.Redis, keys: Iterable[bytes]) -> int | None:
     return total
 
 
+def _last_expiry(r: redis.Redis, keys: list[bytes]) -> int | None:
+    """Milliseconds until the last of ``keys`` expires; None when one never does (or the
+    server refuses PTTL)."""
+    pipe = r.pipeline(transaction=False)
+    for key in keys:
+        pipe.pttl(key)
+    try:
+        ttls = pipe.execute(raise_on_error=False)
+    except ResponseError:
+        return None
+    if any(isinstance(t, Exception) or t == -1 for t in ttls):
+        return None
+    return max(max(int(t), 0) for t in ttls)
+
+
 def _left_claims(
     r: redis.Redis, keys: Keys, claim_keys: list[bytes], claim_head: bytes, now: int | None
 ) -> tuple[list[LeftClaim], int, set[bytes]]:
@@ -274,8 +289,11 @@ def describe(
         and not k.startswith(claim_head)
         and not k.startswith(dedup_head)
     ]
+    stray_bytes, stray_expire = None, None
     if stray:
         logger.debug("%d stray keys under %s", len(stray), keys.base)
+        stray_expire = _last_expiry(r, stray)
+        stray_bytes = _memory_usage(r, stray) if memory else None
     return _info(
         container,
         shared_name,
@@ -288,6 +306,8 @@ def describe(
         retry_buffers=retry_buffers,
         keys=len(found),
         stray_keys=len(stray),
+        stray_bytes=stray_bytes,
+        stray_expire_ms=stray_expire,
         quarantined=int(quarantined or 0),
         # with the parts of spread payloads (other slots, not under the pattern)
         memory_bytes=_memory_usage(r, sorted(found | referenced)) if memory else None,

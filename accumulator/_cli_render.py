@@ -261,9 +261,13 @@ def render_show(info: _admin.Info, prev: _admin.Info | None = None) -> list[str]
                 "retried take gets the same round; they expire on their own)"
             )
         if info.stray_keys:
+            size = "" if info.stray_bytes is None else f", {fmt_bytes(info.stray_bytes)}"
+            when = ("on their own" if info.stray_expire_ms is None
+                    else f"within {fmt_ms(info.stray_expire_ms)}")  # fmt: skip
             lines.append(
-                f"  {plural(info.stray_keys, 'stray key')} (payloads of applies that "
-                "never completed; they expire on their own)"
+                f"  {plural(info.stray_keys, 'stray key')}{size} (payloads of applies that "
+                f"never completed: a worker killed while it sent one); they expire {when} "
+                "(`reset` keeps them: an apply may be on its way; `delete` removes them)"
             )
     return lines
 

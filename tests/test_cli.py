@@ -710,6 +710,25 @@ def test_show_of_a_sparse_round_names_its_rows(real: Target) -> None:
         acc.close()
 
 
+def test_show_says_what_stray_payloads_hold_and_when_they_go(real: Target) -> None:
+    """The parts of an apply whose worker was killed before its script ran: nothing refers
+    to them; `show` gives their bytes and when the last one expires."""
+    from accumulator import _model
+
+    acc = accumulator.ConditionalAccumulator(np.float32, (1000,), shared_name="strays",
+                                             client=real.url)  # fmt: skip
+    r = real.redis()
+    for seq in (1, 2):  # as an apply writes them, before its script
+        r.set(acc._keys.blob("0badc0de", seq), b"\0" * 40_000, px=_model.ORPHAN_TTL_MS)
+    info = _admin.describe(r, "strays")
+    assert info.stray_keys == 2 and info.stray_bytes is not None and info.stray_bytes >= 80_000
+    assert _model.ORPHAN_TTL_MS - 60_000 < info.stray_expire_ms <= _model.ORPHAN_TTL_MS
+    text = ok(cli("show", "strays", "--url", real.url))
+    assert re.search(r"2 stray keys, \d+\.\d KiB \(payloads of applies that never completed: "
+                     r"a worker killed while it sent one\); they expire within (59|60)m\d\ds", text)
+    acc.close()
+
+
 def test_show_quarantine_and_pending_limit(real: Target, make: Callable[..., Any]) -> None:
     acc = make("q", max_pending_bytes=1000)
     acc.apply_grad(np.ones(SHAPE), local_step=0)
