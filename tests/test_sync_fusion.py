@@ -6,7 +6,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_sync_lifecycle import LR, _abandoned_claim, _assert_params, _grad, _params, _update
+from test_sync_lifecycle import (
+    LR,
+    _abandoned_claim,
+    _assert_params,
+    _grad,
+    _params,
+    _two_pushes,
+    _update,
+)
 
 import accumulator
 from accumulator import _admin
@@ -65,12 +73,18 @@ def test_fused_parameters_get_the_same_update_as_one_accumulator_each(target):
     plain.close()
 
 
-def test_a_bad_tensor_in_a_bucket_is_named_and_nothing_is_applied(target):
-    ps = ParameterServer("fb", replicas_to_aggregate=1, sparse={"emb"}, client=target.client())
+def _one_worker(target, job: str) -> tuple[ParameterServer, Worker, int, dict]:
+    """A job of _model() (one replica) and a worker that pulled it: (chief, worker, step,
+    gradients of that worker at that step)."""
+    ps = ParameterServer(job, replicas_to_aggregate=1, sparse={"emb"}, client=target.client())
     ps.initialize(_model())
-    worker = Worker("fb", client=target.client(), worker_id="w0")
+    worker = Worker(job, client=target.client(), worker_id="w0")
     step, params = worker.pull(timeout=5)
-    grads = _grads(params, step, 0)
+    return ps, worker, step, _grads(params, step, 0)
+
+
+def test_a_bad_tensor_in_a_bucket_is_named_and_nothing_is_applied(target):
+    ps, worker, step, grads = _one_worker(target, "fb")
     grads["h"] = np.zeros((2, 3), np.float32)
     with pytest.raises(accumulator.InvalidArgumentError,
                        match=r"gradient of 'h' \(dense float32 \[2,2\]\) is invalid, nothing "
@@ -95,12 +109,7 @@ def test_a_chief_killed_between_take_and_publish_is_recovered_exactly(target, di
     ps.initialize(_params())
     fused = "#fused/0"
     assert ps.accumulator_names["w"] == ps.accumulator_names["b"] == f"{job}/{fused}"
-    workers = [Worker(job, client=target.client(), worker_id=f"w{k}") for k in range(2)]
-    step, params = workers[0].pull(timeout=5)
-    workers[1].pull(timeout=5)
-    grads = [_grad(params, step, k) for k in range(2)]
-    for k, w in enumerate(workers):
-        assert all(w.push(step, grads[k]).values())
+    workers, grads = _two_pushes(target, job)
     if died == "after-claiming-fused":
         _abandoned_claim(ps._accs[fused], 2)
         lost: set[str] = set()
@@ -131,11 +140,8 @@ def test_a_chief_killed_between_take_and_publish_is_recovered_exactly(target, di
 
 
 def test_the_cli_shows_each_parameter_with_its_bucket_and_deletes_the_buckets(target):
-    ps = ParameterServer("fc", replicas_to_aggregate=1, sparse={"emb"}, client=target.client())
-    ps.initialize(_model())
-    worker = Worker("fc", client=target.client(), worker_id="w0")
-    step, params = worker.pull(timeout=5)
-    worker.push(step, _grads(params, step, 0))
+    ps, worker, step, grads = _one_worker(target, "fc")
+    worker.push(step, grads)
     r = target.redis()
     info = _admin.describe_job(r, "fc")
     shown = {p.name: (p.shared_name, p.pending, p.step) for p in info.params}

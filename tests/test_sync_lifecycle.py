@@ -723,6 +723,17 @@ def test_a_publish_refused_at_maxmemory_raises_resource_exhausted(own_server):
 # -- a chief that dies between its takes and its publish -----------------------------------------
 
 
+def _two_pushes(target, job: str) -> tuple[list[Worker], list[dict]]:
+    """Two workers of ``job`` (published at step 0), each of which pushed its gradients."""
+    workers = [Worker(job, client=target.client(), worker_id=f"w{k}") for k in range(2)]
+    step, params = workers[0].pull(timeout=5)
+    workers[1].pull(timeout=5)
+    grads = [_grad(params, step, k) for k in range(2)]
+    for k, w in enumerate(workers):
+        assert all(w.push(step, grads[k]).values())
+    return workers, grads
+
+
 def _abandoned_claim(acc, n: int) -> None:
     """What a chief SIGKILLed right after its take script claimed a round leaves behind:
     the claim, under a short lease, never read or finished."""
@@ -748,12 +759,7 @@ def test_chief_killed_between_take_and_publish_exact_accounting(target, died, bi
     client = target.client()
     ps = ParameterServer(job, replicas_to_aggregate=2, sparse={"emb"}, client=client)
     ps.initialize(_params(big))
-    workers = [Worker(job, client=target.client(), worker_id=f"w{k}") for k in range(2)]
-    step, params = workers[0].pull(timeout=5)
-    workers[1].pull(timeout=5)
-    grads = [_grad(params, step, k) for k in range(2)]
-    for k, w in enumerate(workers):
-        assert all(w.push(step, grads[k]).values())
+    workers, grads = _two_pushes(target, job)
     # the dying chief: its takes, by hand, through the accumulators' own protocol
     taken = ps._accs
     if died == "after-claiming-w":
