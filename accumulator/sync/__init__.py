@@ -78,7 +78,8 @@ Semantics:
 - The step counts chief updates, as TF's ``global_step``; a restarted worker that pushes
   again at a step it already pushed at is counted twice (as in TF).
 
-Redis keys (besides each parameter's accumulator, shared name ``<job>/<param>``) are built by
+Redis keys (besides the accumulators, shared names ``<job>/<param>`` and, for buckets of
+fused parameters, ``<job>/#fused/<i>``) are built by
 :class:`SyncKeys`, plus the chief lease ``accsync:{tag}:chief`` (:func:`chief_key`).
 """
 
