@@ -286,9 +286,10 @@ def run_chief(args: argparse.Namespace, url: str, out: TextIO) -> int:
         if not quiet:
             _say(out, f"job {args.job!r} on {redact_url(url)}: {args.workers} workers, chief "
                       f"takes {replicas} gradients per step; accumulators:")  # fmt: skip
+            width = max(len(n) for n in ps.accumulator_names.values())
             for spec in ps.specs:
                 shape = format_shape(spec.shape)
-                _say(out, f"  {ps.accumulator_names[spec.name]:<16} {spec.name:<4} "
+                _say(out, f"  {ps.accumulator_names[spec.name]:<{width}} {spec.name:<4} "
                           f"{spec.kind:<6} {spec.dtype.name} {shape}")  # fmt: skip
             watch = watch_hint(ps.accumulator_names["emb"], url, args.container)
             _say(out, f"watch one live from another terminal:  {watch}")

@@ -18,6 +18,7 @@ result is the same as with one accumulator per parameter.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -39,18 +40,20 @@ DEFAULT_FUSION_BYTES = 1 << 20
 
 @dataclass(frozen=True)
 class Member:
-    """One parameter in a bucket: its elements ``[offset, offset + size)`` of the bucket."""
+    """One parameter in a bucket: its elements ``[offset, offset + size)`` of the bucket;
+    ``index``: its place among the job's parameters."""
 
     name: str
     offset: int
     size: int
     shape: tuple[int, ...]
+    index: int
 
 
 @dataclass(frozen=True)
 class Unit:
-    """One accumulator of a job: ``name`` (a parameter's, or ``#fused/<i>``), its kind,
-    dtype and shape, and the parameters it holds (one, unless fused)."""
+    """One accumulator of a job: ``name`` (a parameter's, or ``#fused/<i>-<layout>``), its
+    kind, dtype and shape, and the parameters it holds (one, unless fused)."""
 
     name: str
     kind: str
@@ -89,6 +92,7 @@ def plan(specs: Sequence[Any], fusion_bytes: int) -> list[Unit]:
     # slots: a parameter of its own, or a bucket (a list of specs), in order of appearance
     slots: list[Any] = []
     open_bucket: dict[np.dtype, tuple[list[Any], int]] = {}  # dtype -> (its specs, bytes)
+    index = {spec.name: i for i, spec in enumerate(specs)}
     for spec in specs:
         nbytes = _size(spec.shape) * spec.dtype.itemsize
         if spec.kind != "dense" or nbytes >= fusion_bytes:
@@ -106,17 +110,35 @@ def plan(specs: Sequence[Any], fusion_bytes: int) -> list[Unit]:
         if isinstance(slot, list) and len(slot) == 1:
             slot = slot[0]  # alone in its bucket: an accumulator of its own
         if not isinstance(slot, list):
-            member = Member(slot.name, 0, _size(slot.shape), tuple(slot.shape))
+            member = Member(slot.name, 0, _size(slot.shape), tuple(slot.shape), index[slot.name])
             units.append(Unit(slot.name, slot.kind, slot.dtype, tuple(slot.shape), (member,)))
             continue
         offset, members_ = 0, []
         for spec in slot:
             size = _size(spec.shape)
-            members_.append(Member(spec.name, offset, size, tuple(spec.shape)))
+            members_.append(Member(spec.name, offset, size, tuple(spec.shape), index[spec.name]))
             offset += size
-        name = f"{FUSED_PREFIX}{sum(1 for u in units if u.fused)}"
+        name = (f"{FUSED_PREFIX}{sum(1 for u in units if u.fused)}-"
+                f"{_fingerprint(slot[0].dtype, members_)}")  # fmt: skip
         units.append(Unit(name, "dense", slot[0].dtype, (offset,), tuple(members_)))
     return units
+
+
+def _fingerprint(dtype: np.dtype, members: Sequence[Member]) -> str:
+    """Six hex digits naming a bucket's layout (dtype, its parameters' names and shapes, in
+    order): a job created again with another layout has other buckets, so a worker still on
+    the old one gets NotFoundError for its push instead of having it packed the old way into
+    a new bucket of the same size (its values would land in other parameters)."""
+    text = dtype.str + "|" + "|".join(f"{m.name}{list(m.shape)}" for m in members)
+    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=3).hexdigest()
+
+
+def in_order(units: Sequence[Unit], values: Mapping[str, Any]) -> dict[str, Any]:
+    """``values`` (parameter name -> value, for every parameter of ``units``) in the order of
+    the job's parameters, whatever the units' order (a bucket sits where its first member
+    was; its other members come from later in the model)."""
+    members = sorted((m for u in units for m in u.members), key=lambda m: m.index)
+    return {m.name: values[m.name] for m in members}
 
 
 def unit_of(units: Sequence[Unit]) -> dict[str, Unit]:
@@ -157,7 +179,7 @@ def split(units: Sequence[Unit], taken: Mapping[str, Any]) -> dict[str, Any]:
             continue
         for m in u.members:
             out[m.name] = value[m.offset : m.offset + m.size].reshape(m.shape)
-    return out
+    return in_order(units, out)
 
 
 def zero(unit: Unit) -> np.ndarray:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -18,7 +20,9 @@ def spec(name: str, shape: tuple[int, ...], dtype: np.dtype = F32, kind: str = "
 
 
 def layout(units: list[_fusion.Unit]) -> list[tuple[str, list[str]]]:
-    return [(u.name, [m.name for m in u.members]) for u in units]
+    """(name, its parameters) of each unit, a bucket's name without its layout's digits."""
+    return [(u.name.rsplit("-", 1)[0] if u.fused else u.name, [m.name for m in u.members])
+            for u in units]  # fmt: skip
 
 
 def test_small_dense_parameters_of_one_dtype_share_a_bucket_in_their_order():
@@ -99,3 +103,21 @@ def test_split_gives_views_of_the_bucket_and_pack_names_the_bad_parameter():
         _fusion.pack(bucket, {"a": np.full((2, 2), 1e300), "b": np.zeros(3)})
     assert e.value.param == "a"
     np.testing.assert_array_equal(_fusion.zero(bucket), np.zeros(7, np.float32))
+
+
+def test_a_bucket_is_named_after_its_layout_and_values_come_back_in_the_models_order():
+    a, b, c = spec("a", (4,)), spec("b", (3,)), spec("c", (2,), F64)
+    (one,) = _fusion.plan([a, b], 1024)
+    assert re.fullmatch(r"#fused/0-[0-9a-f]{6}", one.name)
+    assert _fusion.plan([a, b], 1024)[0].name == one.name  # the same layout: the same name
+    # another order, other shapes of the same size, another dtype: another bucket
+    others = [[b, a], [spec("a", (3,)), spec("b", (4,))],
+              [spec("a", (4,), F64), spec("b", (3,), F64)]]
+    assert {_fusion.plan(x, 1024)[0].name for x in others} & {one.name} == set()
+    assert len({_fusion.plan(x, 1024)[0].name for x in others}) == 3
+    # c sits between a and b in the model; the bucket of a and b comes first
+    units = _fusion.plan([a, c, b], 1024)
+    assert [u.name == one.name for u in units] == [True, False]
+    taken = {units[0].name: np.arange(7, dtype=np.float32), "c": np.ones(2)}
+    assert list(_fusion.split(units, taken)) == ["a", "c", "b"]
+    assert list(_fusion.in_order(units, {"b": 1, "c": 2, "a": 3})) == ["a", "c", "b"]

@@ -4,6 +4,8 @@ of one accumulator per parameter (test_sync_lifecycle.py has these with no fusio
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 from test_sync_lifecycle import (
@@ -43,8 +45,10 @@ def test_fused_parameters_get_the_same_update_as_one_accumulator_each(target):
                             client=target.client())  # fmt: skip
     ps.initialize(_model())
     plain.initialize(_model())
-    assert ps.accumulator_names == {"w": "fz/#fused/0", "b": "fz/#fused/0", "emb": "fz/emb",
-                                    "g": "fz/#fused/1", "h": "fz/#fused/1"}  # fmt: skip
+    names = ps.accumulator_names
+    assert names["emb"] == "fz/emb" and names["w"] == names["b"] != names["g"] == names["h"]
+    assert re.fullmatch(r"fz/#fused/0-[0-9a-f]{6}", names["w"])
+    assert re.fullmatch(r"fz/#fused/1-[0-9a-f]{6}", names["g"])
     assert set(plain.accumulator_names.values()) == {f"fz0/{n}" for n in _model()}
     workers = {job: [Worker(job, client=target.client(), worker_id=f"w{k}") for k in range(3)]
                for job in ("fz", "fz0")}  # fmt: skip
@@ -63,7 +67,7 @@ def test_fused_parameters_get_the_same_update_as_one_accumulator_each(target):
         np.testing.assert_array_equal(ps.params[name], plain.params[name], err_msg=name)
     stats = ps.stats()
     assert stats.params["w"] is stats.params["b"]  # one bucket, counted once per push
-    assert stats.params["w"].shared_name == "fz/#fused/0"
+    assert stats.params["w"].shared_name == names["w"]
     assert (stats.params["w"].applied, stats.params["w"].stale) == (6, 3)
     assert stats.stale_tensors == plain.stats().stale_tensors == 3 * 5
     for job in workers:
@@ -107,8 +111,8 @@ def test_a_chief_killed_between_take_and_publish_is_recovered_exactly(target, di
     job = f"fh-{died}"
     ps = ParameterServer(job, replicas_to_aggregate=2, sparse={"emb"}, client=target.client())
     ps.initialize(_params())
-    fused = "#fused/0"
-    assert ps.accumulator_names["w"] == ps.accumulator_names["b"] == f"{job}/{fused}"
+    fused = ps.accumulator_names["w"].split("/", 1)[1]
+    assert fused.startswith("#fused/0-") and ps.accumulator_names["b"] == f"{job}/{fused}"
     workers, grads = _two_pushes(target, job)
     if died == "after-claiming-fused":
         _abandoned_claim(ps._accs[fused], 2)
@@ -145,9 +149,8 @@ def test_the_cli_shows_each_parameter_with_its_bucket_and_deletes_the_buckets(ta
     r = target.redis()
     info = _admin.describe_job(r, "fc")
     shown = {p.name: (p.shared_name, p.pending, p.step) for p in info.params}
-    assert shown == {"w": ("fc/#fused/0", 1, 0), "b": ("fc/#fused/0", 1, 0),
-                     "emb": ("fc/emb", 1, 0), "g": ("fc/#fused/1", 1, 0),
-                     "h": ("fc/#fused/1", 1, 0)}  # fmt: skip
+    assert shown == {name: (acc, 1, 0) for name, acc in ps.accumulator_names.items()}
+    assert list(shown) == list(_model())  # the parameters in the model's order
     assert info.warnings == ()
     ps.close()
     worker.close()
@@ -162,7 +165,7 @@ def test_a_model_of_many_small_tensors_is_published_one_buffer_per_bucket(target
     model = {**small, "big": np.zeros(1 << 19, np.float32)}
     ps = ParameterServer("fm", replicas_to_aggregate=2, client=target.client())
     ps.initialize(model)
-    assert len(ps._accs) == 2 and set(ps.accumulator_names.values()) == {"fm/#fused/0", "fm/big"}
+    assert len(ps._accs) == 2 and ps.accumulator_names["big"] == "fm/big"
     r = target.redis()
     published = sorted(k.decode().rsplit(":", 2)[1] for k in r.scan_iter(
         match=ps.keys.versions_pattern))  # the unit index of each part key  # fmt: skip
@@ -187,3 +190,66 @@ def test_a_model_of_many_small_tensors_is_published_one_buffer_per_bucket(target
         assert w.pull(after=1, timeout=5)[0] == 2
         w.close()
     ps.close()
+
+
+def test_a_worker_of_the_jobs_old_layout_is_refused_not_mixed_in(target):
+    """A job created again (``resume=False``) with its parameters in another order: the
+    bucket has the same dtype and size, but another layout, so another name; a worker still
+    on the old run gets NotFoundError for its push instead of its values landing in other
+    parameters (a review found them mixed)."""
+    first = {"a": np.zeros(4, np.float32), "b": np.zeros(3, np.float32)}
+    ps = ParameterServer("fo", replicas_to_aggregate=1, client=target.client())
+    ps.initialize(first)
+    old = Worker("fo", client=target.client(), worker_id="old")
+    step, _ = old.pull(timeout=5)
+    ps.initialize({"b": first["b"], "a": first["a"]}, resume=False)
+    grads = {"a": np.ones(4, np.float32), "b": np.full(3, 100, np.float32)}
+    with pytest.raises(accumulator.NotFoundError):
+        old.push(step, grads)
+    assert all(acc.num_accumulated() == 0 for acc in ps._accs.values())
+    old.close()
+    ps.close()
+
+
+def test_pulls_and_updates_see_the_parameters_in_the_models_order(target):
+    model = {"w1": np.zeros(1 << 18, np.float32), "b1": np.zeros(3, np.float32),
+             "w2": np.zeros(4, np.float16), "b2": np.zeros(2, np.float32)}  # fmt: skip
+    seen = []
+
+    def update(params, grads, step):
+        seen.append((list(params), list(grads)))
+        for name in params:
+            params[name] -= grads[name]
+
+    ps = ParameterServer("fr", replicas_to_aggregate=1, client=target.client())
+    ps.initialize(model)
+    worker = Worker("fr", client=target.client(), worker_id="w0")
+    step, params = worker.pull(timeout=5)
+    assert list(params) == list(model)  # (b1 and b2 share a bucket that sits before w2)
+    worker.push(step, {name: np.ones_like(value) for name, value in model.items()})
+    ps.step(update, timeout=5)
+    assert seen == [(list(model), list(model))]
+    assert list(worker.pull(after=step, timeout=5)[1]) == list(model) == list(ps.params)
+    worker.close()
+    ps.close()
+
+
+def test_a_job_without_fusion_is_resumed_and_deleted_whatever_its_parameter_names(target):
+    """A parameter named like a bucket is refused only in a job that fuses: a chief with the
+    default fusion_bytes resumes, finishes and deletes a job made with fusion_bytes=0."""
+    model = {"#fused/0": np.zeros(2), "b": np.zeros(2)}
+    with pytest.raises(ValueError, match="reserved for fused buckets"):
+        ParameterServer("fn", replicas_to_aggregate=1, client=target.client()).initialize(model)
+    first = ParameterServer("fn", replicas_to_aggregate=1, fusion_bytes=0, client=target.client())
+    first.initialize(model)
+    first.close()
+    chief = ParameterServer("fn", replicas_to_aggregate=1, client=target.client())
+    assert chief.initialize(model) == 0
+    assert chief.accumulator_names == {"#fused/0": "fn/#fused/0", "b": "fn/b"}
+    chief.finish()
+    chief.close()
+    again = ParameterServer("fn", replicas_to_aggregate=1, client=target.client())
+    assert again.initialize(model) == 0 and again.finished
+    again.delete()
+    assert list(target.redis().scan_iter()) == []
+    again.close()

@@ -188,7 +188,6 @@ class ParameterServer(_Job):
         ``wait_for_chief`` seconds for it to run out.
         """
         specs, arrays = specs_for(params, self.sparse)
-        _fusion.plan(specs, self.fusion_bytes)  # (reserved names) before anything is read
         step = scalar_int(step, "step")  # checked before anything is read or deleted
         if resume:
             published = self._read_published()
@@ -209,7 +208,7 @@ class ParameterServer(_Job):
                 if published.done:
                     return self._load_finished(published)
                 return self._resume(published)
-            self._wipe(specs)
+            self._wipe(specs, self.fusion_bytes)  # (a new job's names checked first)
             self._fusion = self.fusion_bytes
             self._open_accumulators(specs, self.reduction_type, self._fusion)
             if step:
@@ -345,11 +344,11 @@ class ParameterServer(_Job):
 
         return self._io("reading claimed rounds", read)
 
-    def _wipe(self, specs: list[ParamSpec]) -> None:
+    def _wipe(self, specs: list[ParamSpec], fusion: int) -> None:
         """Delete the job: its parameters, counters, and the accumulators of ``specs``
-        (fused as this chief fuses) and of the job as published."""
+        (fused with ``fusion`` bytes) and of the job as published."""
+        units = _fusion.plan(specs, fusion)  # (refused before anything is deleted)
         old = self._read_published(with_params=False)
-        units = _fusion.plan(specs, self.fusion_bytes)
         if old is not None:
             units += _fusion.plan(old.specs, old.fusion)
         names = {u.name for u in units} | {s.name for s in specs}
@@ -586,7 +585,7 @@ class ParameterServer(_Job):
         chief runs the job)."""
         self._lease.acquire()
         self._close_accumulators()
-        self._wipe(self._specs)
+        self._wipe(self._specs, self._fusion)
         self._lease.release()
         self._specs, self._params, self._step, self._done = [], {}, None, False
         self._units = []

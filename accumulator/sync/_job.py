@@ -68,7 +68,7 @@ def _params_of(wires: list[tuple[_fusion.Unit, np.ndarray]]) -> dict[str, np.nda
     params: dict[str, np.ndarray] = {}
     for unit, wire in wires:
         params.update(unit_params(unit, wire))
-    return params
+    return _fusion.in_order([unit for unit, _ in wires], params)
 
 
 class TrainingFinished(Exception):
@@ -77,9 +77,11 @@ class TrainingFinished(Exception):
     :meth:`ParameterServer.step` on a finished job."""
 
 
-def accumulator_name(job: str, param: str) -> str:
-    """The shared name of a parameter's accumulator (what the CLI shows and watches)."""
-    return f"{job}/{param}"
+def accumulator_name(job: str, name: str) -> str:
+    """The shared name of the job's accumulator ``name`` (what the CLI shows and watches): a
+    parameter's own, ``<job>/<param>``, or a bucket of fused ones, ``<job>/#fused/<i>-<layout>``.
+    Which parameter is in which: :attr:`ParameterServer.accumulator_names` (also a worker's)."""
+    return f"{job}/{name}"
 
 
 @dataclass(frozen=True)

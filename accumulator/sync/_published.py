@@ -22,7 +22,7 @@ import msgpack
 import numpy as np
 
 from .._codec import format_shape, resolve_dtype, wire_dtype
-from .._fusion import Unit
+from .._fusion import Unit, in_order
 
 if TYPE_CHECKING:
     from redis.typing import EncodableT, FieldT
@@ -204,4 +204,4 @@ def decode_announcement(
             return None
         wire = np.frombuffer(raw, wire_dtype(unit.dtype)).reshape(unit.shape)
         params.update(unit_params(unit, wire.copy()))  # (frombuffer's array is read-only)
-    return step, bool(done), params
+    return step, bool(done), in_order(units, params)
