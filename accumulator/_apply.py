@@ -115,7 +115,7 @@ def _send(
     spread = not inline and acc.spreads_parts
     args = [acc._schema, seq, local_step, shape_token, "i" if inline else "d" if spread else "p",
             b"i" + payload if inline else b"", nbytes, _model.DEDUP_TTL_MS,
-            first_error]  # fmt: skip
+            first_error, acc._instance]  # fmt: skip
     durability = acc._durability()
     if inline and durability is None:
         reply = yield Call("apply_grad", "apply", keys, args, commit=True)

@@ -177,6 +177,7 @@ class AccumulatorModel:
         self._want_spread = spread_parts
         #: the key schema this accumulator was created with (3: spread over slots; set by open)
         self._schema = SCHEMA_VERSION
+        self._instance = ""  # the instance id this object opened (see _open_ops)
         if shared_name is not None:
             shared_name = _check_name(shared_name, "shared_name")
             if shared_name.startswith(PRIVATE_PREFIX):
@@ -296,12 +297,16 @@ class AccumulatorModel:
                 "spread_parts=True: a private accumulator, or one that sums in Redis, keeps "
                 "its parts in its own slot"
             )
-        created, existing, summed, schema = yield Call(
+        created, existing, summed, schema, *inst = yield Call(
             "open", "open", [self._keys.state],
             [SPREAD_SCHEMA if spread else SCHEMA_VERSION, self._definition.pack(), ttl,
-             int(limit), explicit, summed],
+             int(limit), explicit, summed, uuid.uuid4().hex],
         )  # fmt: skip
         self._schema = int(schema)
+        # this accumulator, not one created again under its name after a delete: every
+        # apply carries it (lua/apply.lua); '' for one created by an older client
+        self._instance = (inst[0].decode() if isinstance(inst[0], bytes) else str(inst[0])
+                          ) if inst else ""  # fmt: skip
         self._sum_dtype = summed.decode() if isinstance(summed, bytes) else (summed or "")
         if self._want_sum is not None and self._want_sum != bool(self._sum_dtype):
             logger.warning(

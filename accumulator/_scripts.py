@@ -276,6 +276,11 @@ def translate(exc: Exception, state_key: str | bytes | None = None) -> Exception
     if what == "NOTFOUND":
         return NotFoundError(f"{_accumulator_of(state_key)} does not exist (deleted, reset, "
                              "expired, or lost with Redis's data)")  # fmt: skip
+    if what == "RECREATED":
+        return NotFoundError(
+            f"{_accumulator_of(state_key)} was deleted and created again since this object "
+            "opened it: nothing was applied to the new one (open it again to use it)"
+        )
     if what == "SCHEMA":
         have = words[1] if len(words) > 1 else "?"
         return SchemaVersionError(

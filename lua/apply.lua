@@ -13,6 +13,9 @@
 -- ARGV[8] dedup ttl ms  ARGV[9] why the gradient may not open a round ('' = it may): the
 --         client's check against the declared shape, which TF applies to a round's first
 --         gradient only (later ones are compared with the round shape)
+-- ARGV[10] the instance id the client's object opened (open.lua; absent or '': unchecked):
+--         another one stored means the accumulator was deleted and created again since, and
+--         the apply is refused as NOTFOUND would be (RECREATED; its payload dropped)
 -- With the accsum module (state field 'sum'), a large payload is added into the round's running
 -- sum in Redis instead of being kept (see below): its first FOLD parts here, the others by
 -- fold.lua calls of the client (until then the entry 'f<k> <n> <blob>' holds them).
@@ -33,7 +36,7 @@ local spread, orphans = ARGV[5] == 'd', KEYS[8]
 if not (is_count(seq) and is_int64(ARGV[3])
     and (inline or ARGV[5] == 'k' or ARGV[5] == 'p' or spread)
     and string.find(ARGV[4], '^[%d,]*$') and is_count(nbytes) and is_count(ARGV[8])
-    and ARGV[8] ~= '0'
+    and ARGV[8] ~= '0' and string.find(ARGV[10] or '', '^%x*$') and #(ARGV[10] or '') <= 32
     and (not inline or (string.sub(ARGV[6], 1, 1) == 'i' and #ARGV[6] - 1 == tonumber(nbytes)))) then
   return acc_error('BADARG apply')
 end
@@ -45,7 +48,10 @@ if ARGV[5] == 'p' or spread then
 end
 local payload_keys = inline and {} or entry_keys(base, entry)
 local err, st = read_state(state, ARGV[1], {'step', 'count', 'rshape', 'ttl', 'bytes',
-  'n_applied', 'maxbytes', 'sum', 'sealed'})
+  'n_applied', 'maxbytes', 'sum', 'sealed', 'inst'})
+if not err and (ARGV[10] or '') ~= '' and st.inst and st.inst ~= ARGV[10] then
+  err = acc_error('RECREATED')  -- (not this object's accumulator: nothing of it is touched)
+end
 local function drop_payload()  -- nobody will ever reference it
   if #payload_keys > 0 then unlink_all(payload_keys) end
   if spread and not err then

@@ -7,13 +7,18 @@
 --         then replaces the stored one), '0' when it is the library default (kept if set)
 -- ARGV[6] the accsum module's dtype when a new accumulator keeps its sums in Redis, else ''
 --         (decided once, at creation: every client of it then agrees)
--- Returns {1, def, sum, schema} when created, {0, def, sum, schema} when it existed (the
--- client compares definitions; sum = the stored module dtype or ''; schema: 2 or 3, what
--- every other script of this accumulator is to be called with).
+-- ARGV[7] an instance id for a new accumulator (hex, up to 32 digits; absent or '': none):
+--         stored at creation, it tells this accumulator from one deleted and created again
+--         under the same name (apply.lua refuses an apply of an object opened on another)
+-- Returns {1, def, sum, schema, inst} when created, {0, def, sum, schema, inst} when it
+-- existed (the client compares definitions; sum = the stored module dtype or ''; schema: 2
+-- or 3, what every other script of this accumulator is to be called with; inst = the stored
+-- instance id, '' for one created by an older client).
 local state = KEYS[1]
 if not own_keys({}) then return acc_error('BADKEY 1') end
 if not (is_count(ARGV[3]) and is_count(ARGV[4]) and (ARGV[5] == '0' or ARGV[5] == '1')
-    and string.find(ARGV[6] or '', '^[fiu]?%d*$') and (ARGV[1] == '2' or ARGV[1] == '3')) then
+    and string.find(ARGV[6] or '', '^[fiu]?%d*$') and (ARGV[1] == '2' or ARGV[1] == '3')
+    and string.find(ARGV[7] or '', '^%x*$') and #(ARGV[7] or '') <= 32) then
   return acc_error('BADARG open')
 end
 local have = redis.pcall('HGET', state, 'schema')
@@ -27,8 +32,8 @@ if have then
   else
     redis.call('HSETNX', state, 'maxbytes', ARGV[4])  -- written by an older version: none yet
   end
-  local stored = redis.call('HMGET', state, 'def', 'sum')
-  return {0, stored[1], stored[2] or '', have}
+  local stored = redis.call('HMGET', state, 'def', 'sum', 'inst')
+  return {0, stored[1], stored[2] or '', have, stored[3] or ''}
 end
 local err = check_acl({'HSET', state, 'PEXPIRE', state, 'HGET', state})
 if err then return err end
@@ -38,5 +43,6 @@ redis.call('HSET', state,
   'n_applied', 0, 'n_stale', 0, 'stale_steps', 0, 'max_stale', 0, 'n_rejected', 0,
   'n_quarantined', 0, 'n_taken', 0, 'grads_taken', 0)
 if ARGV[6] ~= '' then redis.call('HSET', state, 'sum', ARGV[6]) end
+if (ARGV[7] or '') ~= '' then redis.call('HSET', state, 'inst', ARGV[7]) end
 touch(state, {state})
-return {1, ARGV[2], ARGV[6], ARGV[1]}
+return {1, ARGV[2], ARGV[6], ARGV[1], ARGV[7] or ''}

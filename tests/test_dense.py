@@ -112,6 +112,37 @@ def test_deleted_accumulator_is_a_clear_error(target):
 
 
 @pytest.mark.parametrize("shape", [SMALL, LARGE], ids=["inline", "blob"])
+def test_an_object_of_an_accumulator_deleted_and_created_again_applies_nothing(target, shape):
+    """As TF's handle of a deleted resource: an object opened before its accumulator was
+    deleted and created again under the same name does not apply into the new one (its
+    gradient belongs to the old one: a sync job's worker still on the old run)."""
+    old = accumulator.ConditionalAccumulator(np.float32, shape=shape, shared_name="again",
+                                             client=target.client())  # fmt: skip
+    assert old.apply_grad(np.ones(shape), local_step=0)
+    r = target.redis()
+    accumulator._admin.delete(r, "again")
+    new = accumulator.ConditionalAccumulator(np.float32, shape=shape, shared_name="again",
+                                             client=target.client())  # fmt: skip
+    with pytest.raises(accumulator.NotFoundError, match="deleted and created again since this "
+                                                        "object opened it: nothing was applied"):
+        old.apply_grad(np.full(shape, 7.0), local_step=0)
+    assert new.num_accumulated() == 0
+    state = r.hgetall(new.accumulator_ref + ":s")
+    assert int(state[b"n_applied"]) == int(state[b"n_rejected"]) == 0
+    # its payload gone (parts spread over a cluster's slots are swept later, as after any
+    # refused apply: registered in the orphans zset)
+    left = [k for k in r.scan_iter() if b"%p" not in k and not k.endswith(b":o")]
+    assert left == [(new.accumulator_ref + ":s").encode()]
+    assert new.apply_grad(np.ones(shape), local_step=0)  # (the new object applies)
+    np.testing.assert_array_equal(new.take_grad(1), np.ones(shape))
+    # an accumulator created by an older client has no instance id: applies are not checked
+    r.hdel(new.accumulator_ref + ":s", "inst")
+    assert old.apply_grad(np.ones(shape), local_step=1)
+    old.close()
+    new.close()
+
+
+@pytest.mark.parametrize("shape", [SMALL, LARGE], ids=["inline", "blob"])
 def test_a_resent_apply_is_counted_once(target, shape):
     """What redis-py's retry does after a lost reply: the same (client, seq) arrives again."""
     acc = make(target, shape=shape)

@@ -349,7 +349,9 @@ def test_a_sparse_take_that_fails_while_merging_gives_the_round_back(target, mon
      (2, b"01"), (3, b"3;2"), (4, b"z"), (7, b"soon"),
      # a count with a leading zero, which Redis refuses as an expiry after the first write
      # (a retry record never written: the retry counted twice; found by a review)
-     (7, b"0100"), (7, b"0"), (1, b"01"), (6, b"024")],
+     (7, b"0100"), (7, b"0"), (1, b"01"), (6, b"024"),
+     # the instance id (ARGV[10]): hex, at most 32 digits
+     (9, b"xyz"), (9, b"a" * 33)],
 )  # fmt: skip
 def test_apply_script_refuses_garbage_before_any_write(target, field, value):
     acc = make(target)
@@ -359,7 +361,7 @@ def test_apply_script_refuses_garbage_before_any_write(target, field, value):
     keys = [k.state, k.grads, k.dedup("ab"), k.takers, k.taker_info, k.wake, k.blob("ab", 1),
             k.orphans]
     args: list[object] = [acc._schema, 1, 0, "3,2", "i", b"i" + payload, len(payload),
-                          60000, ""]  # fmt: skip
+                          60000, "", acc._instance]  # fmt: skip
     args[field] = value  # args[0] is ARGV[1]
     r = target.redis()
     before = snapshot(r)
@@ -376,6 +378,10 @@ def test_open_refuses_a_ttl_redis_would_refuse(target):
     with pytest.raises(accumulator.InvalidArgumentError, match="BADARG"):
         _scripts.call(r, "open", [k.state], ["2", b"def", "0100", "100", "0", ""])
     assert not r.exists(k.state)
+    for inst in ("not hex", "a" * 33):  # the instance id a new accumulator is to get
+        with pytest.raises(accumulator.InvalidArgumentError, match="BADARG"):
+            _scripts.call(r, "open", [k.state], ["2", b"def", "0", "100", "0", "", inst])
+        assert not r.exists(k.state)
 
 
 def test_a_foreign_value_under_the_state_key_gets_our_error(target):

@@ -253,3 +253,30 @@ def test_a_job_without_fusion_is_resumed_and_deleted_whatever_its_parameter_name
     again.delete()
     assert list(target.redis().scan_iter()) == []
     again.close()
+
+
+@pytest.mark.parametrize("fusion", [0, None], ids=["own", "fused"])
+def test_a_worker_of_a_job_created_again_with_the_same_layout_applies_nothing(target, fusion):
+    """The same parameters, the same layout, a new run (``resume=False``): the accumulators
+    have the same names, but they are other ones; a worker still on the old run is refused
+    (its gradient was computed on the old parameters) and told to pull, and its push is not
+    counted in the new job. Older than fusion: such pushes, even of wrong shapes, landed in
+    the new job."""
+    kw = {} if fusion is None else {"fusion_bytes": fusion}
+    ps = ParameterServer("fa", replicas_to_aggregate=1, client=target.client(), **kw)
+    model = {"a": np.zeros(4, np.float32), "b": np.zeros(3, np.float32)}
+    ps.initialize(model)
+    old = Worker("fa", client=target.client(), worker_id="old")
+    step, _ = old.pull(timeout=5)
+    ps.initialize(model, resume=False)
+    with pytest.raises(accumulator.NotFoundError, match=r"pull\(\) to join the job as it is"):
+        old.push(step, {"a": np.ones(4), "b": np.ones(3)})
+    assert all(acc.num_accumulated() == 0 for acc in ps._accs.values())
+    stats = ps.stats()
+    assert stats.pushes == 0 and getattr(stats.workers.get("old"), "pushes", 0) == 0
+    assert old.pull(timeout=5)[0] == 0  # the new run
+    assert all(old.push(0, {"a": np.ones(4), "b": np.ones(3)}).values())
+    assert ps.step(LR, timeout=5) == 1
+    np.testing.assert_allclose(ps.params["a"], -LR * np.ones(4))
+    old.close()
+    ps.close()

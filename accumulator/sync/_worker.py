@@ -20,7 +20,12 @@ from .. import _chunks, _retry, _scripts
 from .._codec import scalar_int
 from .._connection import Client
 from .._dense import ConditionalAccumulator
-from .._errors import DeadlineExceededError, FailedPreconditionError, InvalidArgumentError
+from .._errors import (
+    DeadlineExceededError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    NotFoundError,
+)
 from .._requests import Call, Ops
 from .._sparse import SparseConditionalAccumulator
 from .._together import call_step, run_together
@@ -288,6 +293,22 @@ class Worker(_Job):
                        if not ok and isinstance(value, FailedPreconditionError)), None)  # fmt: skip
         if sealed is not None:
             raise self._finished_push(step, push_id, sealed, result)
+        gone = next((value for ok, value in outcomes
+                     if not ok and isinstance(value, NotFoundError)), None)  # fmt: skip
+        if gone is not None:
+            # the job's accumulators were deleted (and maybe created again: a chief's
+            # initialize(resume=False)) since this worker pulled: its gradients belong to a
+            # run that is over
+            self._partial = None
+            if together:  # counted with the applies: taken back from the job's counters
+                with contextlib.suppress(Exception):
+                    self._count_now(push_id, "none")
+            raise NotFoundError(
+                f"sync job {self.job!r}: the accumulators this worker pulled (run "
+                f"{self._run}) were deleted since, the job ended or started again; what was "
+                "applied went into nothing that will be taken: pull() to join the job as it "
+                f"is now ({gone})"
+            ) from gone
         failed = next((value for ok, value in outcomes if not ok), None)
         if failed is not None:
             self._partial = (step, dict(result), push_id)
