@@ -280,3 +280,30 @@ def test_a_worker_of_a_job_created_again_with_the_same_layout_applies_nothing(ta
     np.testing.assert_allclose(ps.params["a"], -LR * np.ones(4))
     old.close()
     ps.close()
+
+
+def test_a_worker_whose_accumulator_was_created_again_in_the_same_run_pulls_and_goes_on(target):
+    """An accumulator of a running job deleted by hand, then created again by a restarted
+    chief (resume: the same run): a worker's objects still name the deleted one, so its push
+    is refused and it is told to pull; the pull opens them again, and it goes on."""
+    ps = ParameterServer("fs", replicas_to_aggregate=1, client=target.client())
+    model = {"a": np.zeros(4, np.float32), "b": np.zeros(3, np.float32)}
+    ps.initialize(model)
+    worker = Worker("fs", client=target.client(), worker_id="w")
+    step, _ = worker.pull(timeout=5)
+    grads = {"a": np.ones(4), "b": np.ones(3)}
+    assert all(worker.push(step, grads).values())
+    assert ps.step(LR, timeout=5) == 1
+    ps.close()
+    _admin.delete(target.redis(), ps.accumulator_names["a"])
+    chief = ParameterServer("fs", replicas_to_aggregate=1, client=target.client())
+    assert chief.initialize(model) == 1  # resumed: the bucket created again, at the step
+    step, _ = worker.pull(after=0, timeout=5)
+    with pytest.raises(accumulator.NotFoundError, match=r"pull\(\)"):
+        worker.push(step, grads)
+    assert worker.pull(timeout=5)[0] == 1  # the same run and step: opened again all the same
+    assert all(worker.push(step, grads).values())
+    assert chief.step(LR, timeout=5) == 2
+    np.testing.assert_allclose(chief.params["a"], -2 * LR * np.ones(4))
+    worker.close()
+    chief.close()

@@ -204,7 +204,8 @@ class _Job:
     @property
     def accumulator_names(self) -> dict[str, str]:
         """Parameter name -> shared name of its accumulator (``<job>/<parameter>``, or
-        ``<job>/#fused/<i>`` for a parameter fused with others: see ``fusion_bytes``)."""
+        ``<job>/#fused/<i>-<layout>`` for a parameter fused with others: see
+        ``fusion_bytes``)."""
         return {m.name: accumulator_name(self.job, u.name)
                 for u in self._units for m in u.members}  # fmt: skip
 

@@ -86,6 +86,9 @@ class Worker(_Job):
         # (step, {param: accepted}, push id) of a push that failed part-way: pushing again at
         # that step applies only the other tensors, and counts under the same push id.
         self._partial: tuple[int, dict[str, bool], str] | None = None
+        # a push found this worker's accumulators deleted since it opened them: the next pull
+        # opens them again, even in the same run (one deleted by hand, then created again)
+        self._reopen = False
         #: This worker's lifetime counts: pushes, and tensors accepted / dropped as stale.
         self.pushes = 0
         self.accepted = 0
@@ -215,10 +218,11 @@ class Worker(_Job):
                 out.append(message["data"])
 
     def _adopt(self, published: Published) -> tuple[int, dict[str, np.ndarray]]:
-        if published.run != self._run or published.specs != self._specs:
+        if self._reopen or published.run != self._run or published.specs != self._specs:
             self._open_accumulators(published.specs, published.reduction, published.fusion)
             self._run = published.run
             self._partial = None
+            self._reopen = False
         self._published = dataclasses.replace(published, params={})
         self._step = published.step
         self._finished = published.done
@@ -300,6 +304,7 @@ class Worker(_Job):
             # initialize(resume=False)) since this worker pulled: its gradients belong to a
             # run that is over
             self._partial = None
+            self._reopen = True
             if together:  # counted with the applies: taken back from the job's counters
                 with contextlib.suppress(Exception):
                     self._count_now(push_id, "none")
