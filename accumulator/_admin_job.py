@@ -208,8 +208,9 @@ def describe_job(
         pipe.hgetall(acc.claims)
     replies = pipe.execute() if specs else []
     params = []
+    at = {name: i for i, name in enumerate(accs)}
     for name, kind, dtype, shape in specs:
-        i = accs.index(unit_of[name])
+        i = at[unit_of[name]]
         (schema, acc_step, count), queued, leases, registry = replies[4 * i : 4 * i + 4]
         waiting = live_takers(queued, leases, now)
         claimed = sum(1 for v in registry.values() if not is_done_mark(v))

@@ -10,7 +10,8 @@ the same one from the published metadata.
 The plan: dense parameters of one dtype, each smaller than ``fusion_bytes``, go into a
 bucket in the order given, until the next one would take the bucket over ``fusion_bytes``;
 then a new bucket of that dtype starts. A bucket of two or more parameters is one flat
-accumulator named ``#fused/<i>`` (i counts buckets in the order they were started); a
+accumulator named ``#fused/<i>-<layout>`` (i counts buckets in the order they were started;
+the layout is six hex digits of its dtype and its parameters' names and shapes); a
 parameter alone in its bucket, a larger one and every sparse one keep an accumulator of their
 own, named after the parameter. Elementwise, a bucket's MEAN or SUM is each parameter's: the
 result is the same as with one accumulator per parameter.
@@ -30,8 +31,8 @@ from ._codec import wire_dtype
 from ._dense import checked_dense
 from ._errors import InvalidArgumentError
 
-#: The name of a bucket's accumulator in its job: ``FUSED_PREFIX + str(i)``. Parameter names
-#: starting with it are refused in a job that fuses.
+#: The start of a bucket's accumulator name in its job (``#fused/<i>-<layout>``). Parameter
+#: names starting with it are refused in a job that fuses.
 FUSED_PREFIX = "#fused/"
 #: What :class:`~accumulator.sync.ParameterServer` fuses by default: parameters under 1 MiB,
 #: into buckets of up to 1 MiB (one value in Redis, as a gradient of up to a chunk is).
@@ -168,20 +169,18 @@ def pack(unit: Unit, grads: Mapping[str, Any]) -> np.ndarray:
     return out
 
 
+def views(unit: Unit, value: Any) -> dict[str, Any]:
+    """Parameter name -> its part of ``value``, one unit's array: a bucket's parameters get
+    views of it, in their shapes (no copy); a parameter of its own, ``value`` itself."""
+    if not unit.fused:
+        return {unit.name: value}
+    return {m.name: value[m.offset : m.offset + m.size].reshape(m.shape) for m in unit.members}
+
+
 def split(units: Sequence[Unit], taken: Mapping[str, Any]) -> dict[str, Any]:
-    """Parameter name -> its gradient, from ``taken`` (unit name -> what its take returned):
-    a bucket's parameters get views of its array, in their shapes (no copy)."""
+    """Parameter name -> its gradient, from ``taken`` (unit name -> what its take returned),
+    in the model's order: a bucket's parameters get :func:`views` of its array."""
     out: dict[str, Any] = {}
     for u in units:
-        value = taken[u.name]
-        if not u.fused:
-            out[u.name] = value
-            continue
-        for m in u.members:
-            out[m.name] = value[m.offset : m.offset + m.size].reshape(m.shape)
+        out.update(views(u, taken[u.name]))
     return in_order(units, out)
-
-
-def zero(unit: Unit) -> np.ndarray:
-    """A bucket's gradient that changes nothing."""
-    return np.zeros(unit.shape, unit.dtype)

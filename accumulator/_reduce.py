@@ -206,34 +206,27 @@ def _float_into(
     """
     divisor = dtype.type(len(flat) if count is None else count)
     ftz = _ftz(dtype)
-    with np.errstate(over="ignore"):  # a sum past the dtype's range is inf, as TF's: no warning
-        _blocks_into(out, flat, dtype, mean, divisor, ftz)
-
-
-def _blocks_into(
-    out: np.ndarray, flat: Sequence[np.ndarray], dtype: np.dtype, mean: bool,
-    divisor: np.generic, ftz: bool,
-) -> None:  # fmt: skip
-    """:func:`_float_into`'s work, block by block."""
-    for start in range(0, max(out.size, 1), _BLOCK):
-        part = slice(start, start + _BLOCK)
-        acc, first = out[part], flat[0][part]
-        if not _same_data(acc, first):  # received in place: nothing to copy
-            acc[...] = first
-        flush = ftz and _any_small([g[part] for g in flat], dtype)
-        for g in flat[1:]:
-            if flush:  # denormals-are-zero on both operands, flush-to-zero on the result
-                np.add(_flush(acc, dtype), _flush(g[part], dtype), out=acc)
-                _flush(acc, dtype)
-            else:
-                np.add(acc, g[part], out=acc)
-        if mean:
-            np.true_divide(_flush(acc, dtype) if flush else acc, divisor, out=acc)
-            # One input with no small value (|x| >= tiny * 2**(nmant+1) or 0) divided by at
-            # most 2**nmant stays normal or zero: nothing to flush. (A sum of several can
-            # cancel to a tiny value, so they are always checked.)
-            if ftz and (flush or len(flat) > 1 or divisor > _NMANT_POW[dtype]):
-                _flush(acc, dtype)
+    # a sum past the dtype's range is inf, as TF's: no numpy warning
+    with np.errstate(over="ignore"):
+        for start in range(0, max(out.size, 1), _BLOCK):
+            part = slice(start, start + _BLOCK)
+            acc, first = out[part], flat[0][part]
+            if not _same_data(acc, first):  # received in place: nothing to copy
+                acc[...] = first
+            flush = ftz and _any_small([g[part] for g in flat], dtype)
+            for g in flat[1:]:
+                if flush:  # denormals-are-zero on both operands, flush-to-zero on the result
+                    np.add(_flush(acc, dtype), _flush(g[part], dtype), out=acc)
+                    _flush(acc, dtype)
+                else:
+                    np.add(acc, g[part], out=acc)
+            if mean:
+                np.true_divide(_flush(acc, dtype) if flush else acc, divisor, out=acc)
+                # One input with no small value (|x| >= tiny * 2**(nmant+1) or 0) divided by at
+                # most 2**nmant stays normal or zero: nothing to flush. (A sum of several can
+                # cancel to a tiny value, so they are always checked.)
+                if ftz and (flush or len(flat) > 1 or divisor > _NMANT_POW[dtype]):
+                    _flush(acc, dtype)
 
 
 def reduce_into(

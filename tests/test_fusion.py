@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from accumulator import InvalidArgumentError, _fusion
-from accumulator.sync._published import ParamSpec
+from accumulator.sync._params import zero_grad
+from accumulator.sync._published import ParamSpec, unit_spec
 
 F32, F64 = np.dtype(np.float32), np.dtype(np.float64)
 
@@ -102,7 +103,7 @@ def test_split_gives_views_of_the_bucket_and_pack_names_the_bad_parameter():
     with pytest.raises(_fusion.MemberError, match="out of its range") as e:
         _fusion.pack(bucket, {"a": np.full((2, 2), 1e300), "b": np.zeros(3)})
     assert e.value.param == "a"
-    np.testing.assert_array_equal(_fusion.zero(bucket), np.zeros(7, np.float32))
+    np.testing.assert_array_equal(zero_grad(unit_spec(bucket)), np.zeros(7, np.float32))
 
 
 def test_a_bucket_is_named_after_its_layout_and_values_come_back_in_the_models_order():

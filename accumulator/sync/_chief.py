@@ -42,6 +42,7 @@ from ._published import (
     encode_published,
     unit_bytes,
     unit_nbytes,
+    unit_spec,
 )
 
 logger = logging.getLogger("accumulator.sync")
@@ -300,10 +301,7 @@ class ParameterServer(_Job):
 
     def _zero_grad(self, unit_name: str) -> Any:
         """A gradient of the accumulator ``unit_name`` that changes nothing."""
-        unit = next(u for u in self._units if u.name == unit_name)
-        if unit.fused:
-            return _fusion.zero(unit)
-        return zero_grad(next(s for s in self._specs if s.name == unit_name))
+        return zero_grad(unit_spec(next(u for u in self._units if u.name == unit_name)))
 
     def _skip_to(self, published: Published, steps: dict[str, int]) -> int:
         """Accumulators more than one step ahead (set by hand, two chiefs): align them all

@@ -22,7 +22,7 @@ import msgpack
 import numpy as np
 
 from .._codec import format_shape, resolve_dtype, wire_dtype
-from .._fusion import Unit, in_order
+from .._fusion import Unit, in_order, pack, views
 
 if TYPE_CHECKING:
     from redis.typing import EncodableT, FieldT
@@ -99,17 +99,19 @@ def param_bytes(spec: ParamSpec, value: np.ndarray) -> memoryview:
     return arr.reshape(-1).view(np.uint8).data
 
 
+def unit_spec(unit: Unit) -> ParamSpec:
+    """One unit of the job's layout as the spec of its accumulator (a fused bucket's: dense,
+    flat)."""
+    return ParamSpec(unit.name, unit.kind, unit.dtype, unit.shape)
+
+
 def unit_bytes(unit: Unit, params: Mapping[str, np.ndarray]) -> memoryview:
     """What is published for one unit of the job's layout (:func:`accumulator._fusion.plan`):
     a parameter's wire bytes (no copy when already in wire form), or a fused bucket's
     parameters side by side in one buffer (a copy: they are small)."""
     if not unit.fused:
-        return param_bytes(ParamSpec(unit.name, unit.kind, unit.dtype, unit.shape),
-                           params[unit.name])  # fmt: skip
-    out = np.empty(unit.shape, wire_dtype(unit.dtype))
-    for m in unit.members:
-        out[m.offset : m.offset + m.size] = np.asarray(params[m.name]).reshape(-1)
-    return out.view(np.uint8).data
+        return param_bytes(unit_spec(unit), params[unit.name])
+    return pack(unit, params).view(np.uint8).data
 
 
 def unit_nbytes(unit: Unit) -> int:
@@ -120,10 +122,7 @@ def unit_nbytes(unit: Unit) -> int:
 def unit_params(unit: Unit, wire: np.ndarray) -> dict[str, np.ndarray]:
     """The parameters of one unit from its published wire array (of the unit's shape):
     views, in their shapes and native dtype where that is the wire's (else copies)."""
-    native = wire.astype(unit.dtype, copy=False)
-    if not unit.fused:
-        return {unit.name: native}
-    return {m.name: native[m.offset : m.offset + m.size].reshape(m.shape) for m in unit.members}
+    return views(unit, wire.astype(unit.dtype, copy=False))
 
 
 def nbytes_of(spec: ParamSpec) -> int:

@@ -18,7 +18,7 @@ from .._model import MAX_PAYLOAD_BYTES
 from .._sparse import SparseConditionalAccumulator
 
 
-def _sparse_parts(grad: Any, name: str) -> tuple[Any, Any]:
+def _sparse_parts(grad: Any) -> tuple[Any, Any]:
     """(indices, values) of a sparse gradient: IndexedSlices-like, SparseGradient or a pair."""
     if hasattr(grad, "indices") and hasattr(grad, "values"):
         return grad.indices, grad.values
@@ -47,7 +47,7 @@ def validated_push(
             if unit.fused:
                 out[name] = (pack(unit, grads),)
             elif unit.kind == "sparse":
-                indices, values = _sparse_parts(grads[name], name)
+                indices, values = _sparse_parts(grads[name])
                 acc = cast(SparseConditionalAccumulator, accs[name])
                 # the sparse accumulator's own checks (TF's 1-5 and the declared dims)
                 _, vals = acc._validate(indices, values, None)
