@@ -365,10 +365,13 @@ class AccumulatorModel:
 
     def _read_state_ops(self, *fields: str) -> Ops[list[bytes | None]]:
         self._check_open()
-        values = yield Command("read", ("HMGET", self._keys.state, "schema", *fields))
+        values = yield Command("read", ("HMGET", self._keys.state, "schema", "inst", *fields))
         if values[0] is None:
             raise NotFoundError(f"accumulator {self._shared_name!r} does not exist")
-        return list(values[1:])
+        inst = values[1].decode() if isinstance(values[1], bytes) else values[1]
+        if self._instance and inst and inst != self._instance:  # (as lua's check_inst)
+            raise _scripts.recreated(self._keys.state)
+        return list(values[2:])
 
     def _count_ops(self) -> Ops[int]:
         return int((yield from self._read_state_ops("count"))[0] or 0)
@@ -380,7 +383,7 @@ class AccumulatorModel:
         self._check_open()
         new = scalar_int(new_global_step, "new_global_step")
         old = int((yield Call("set_global_step", "set_step", [self._keys.state],
-                              [self._schema, new])))  # fmt: skip
+                              [self._schema, new, self._instance])))  # fmt: skip
         if new < old:
             logger.warning(
                 "Attempt to set current_global_step_ to smaller value: "

@@ -252,6 +252,15 @@ def _accumulator_of(state_key: str | bytes | None) -> str:
     return f"accumulator {name!r}" + (f" (container {container!r})" if container else "")
 
 
+def recreated(state_key: str | bytes | None) -> NotFoundError:
+    """The error of a call of an object whose accumulator was deleted and created again since
+    it opened it (the instance check: ``check_inst`` in ``lua/_common.lua``)."""
+    return NotFoundError(
+        f"{_accumulator_of(state_key)} was deleted and created again since this object "
+        "opened it: nothing of the new one was read or changed (open it again to use it)"
+    )
+
+
 def translate(exc: Exception, state_key: str | bytes | None = None) -> Exception:
     """Our error for an ``ACCERR``, ACL (NOPERM) or out-of-memory (OOM) reply; any other error
     is returned unchanged. ``state_key``: the script's first key, the state hash of the
@@ -277,10 +286,7 @@ def translate(exc: Exception, state_key: str | bytes | None = None) -> Exception
         return NotFoundError(f"{_accumulator_of(state_key)} does not exist (deleted, reset, "
                              "expired, or lost with Redis's data)")  # fmt: skip
     if what == "RECREATED":
-        return NotFoundError(
-            f"{_accumulator_of(state_key)} was deleted and created again since this object "
-            "opened it: nothing was applied to the new one (open it again to use it)"
-        )
+        return recreated(state_key)
     if what == "SCHEMA":
         have = words[1] if len(words) > 1 else "?"
         return SchemaVersionError(

@@ -339,7 +339,7 @@ def take_script_args(
             k.quarantine, k.claims, k.orphans]  # fmt: skip
     claim_ms = _model.CLAIM_LEASE_MS if acc.claim_lease is None else int(acc.claim_lease * 1000)
     args = [acc._schema, taker, n, lease_ms, "s" if acc._kind == "sparse" else "d",
-            acc.dtype.itemsize, claim_ms, _model.CLAIM_LEASE_MS_PER_MIB,
+            acc.dtype.itemsize, claim_ms, _model.CLAIM_LEASE_MS_PER_MIB, acc._instance,
             len(checked or ())]  # fmt: skip
     for entry, found in (checked or {}).items():
         args += [entry, found]

@@ -53,6 +53,21 @@ local function read_state(state, want, fields)
   return nil, out
 end
 
+-- An instance id as open.lua stores it (hex, 32 digits at most), or '' / absent (none).
+local function is_inst(s)
+  return string.find(s or '', '^%x*$') ~= nil and #(s or '') <= 32
+end
+
+-- The instance check (open.lua gives each new accumulator an id; an object's calls carry the
+-- one it opened): a call of an object that opened an accumulator since deleted and created
+-- again under its name is refused as NOTFOUND would be, before it reads or writes anything of
+-- the new one. `want` absent or '' (hand-made calls), or no stored id (an accumulator of an
+-- older client): unchecked.
+local function check_inst(stored, want)
+  if (want or '') ~= '' and stored and stored ~= want then return acc_error('RECREATED') end
+  return nil
+end
+
 -- Integers as decimal strings. Lua's own number-to-string conversion ('%.14g') turns
 -- 10^14 into "1e+14"; every integer this library writes or concatenates goes through this.
 local function int_str(x)

@@ -36,7 +36,7 @@ local spread, orphans = ARGV[5] == 'd', KEYS[8]
 if not (is_count(seq) and is_int64(ARGV[3])
     and (inline or ARGV[5] == 'k' or ARGV[5] == 'p' or spread)
     and string.find(ARGV[4], '^[%d,]*$') and is_count(nbytes) and is_count(ARGV[8])
-    and ARGV[8] ~= '0' and string.find(ARGV[10] or '', '^%x*$') and #(ARGV[10] or '') <= 32
+    and ARGV[8] ~= '0' and is_inst(ARGV[10])
     and (not inline or (string.sub(ARGV[6], 1, 1) == 'i' and #ARGV[6] - 1 == tonumber(nbytes)))) then
   return acc_error('BADARG apply')
 end
@@ -49,9 +49,7 @@ end
 local payload_keys = inline and {} or entry_keys(base, entry)
 local err, st = read_state(state, ARGV[1], {'step', 'count', 'rshape', 'ttl', 'bytes',
   'n_applied', 'maxbytes', 'sum', 'sealed', 'inst'})
-if not err and (ARGV[10] or '') ~= '' and st.inst and st.inst ~= ARGV[10] then
-  err = acc_error('RECREATED')  -- (not this object's accumulator: nothing of it is touched)
-end
+if not err then err = check_inst(st.inst, ARGV[10]) end  -- (then nothing of it is touched)
 local function drop_payload()  -- nobody will ever reference it
   if #payload_keys > 0 then unlink_all(payload_keys) end
   if spread and not err then

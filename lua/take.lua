@@ -7,7 +7,8 @@
 -- ARGV[1] schema  ARGV[2] taker id  ARGV[3] num_required  ARGV[4] lease ms
 -- ARGV[5] 'd' dense | 's' sparse  ARGV[6] bytes per element of the accumulator dtype
 -- ARGV[7] claim lease ms  ARGV[8] claim lease: extra ms per MiB of payload
--- ARGV[9] m, then m pairs ARGV[10..]: a spread entry the client checked (the reply {2, ...}
+-- ARGV[9] the instance id the client's object opened ('': unchecked; see check_inst)
+-- ARGV[10] m, then m pairs ARGV[11..]: a spread entry the client checked (the reply {2, ...}
 --         below) and its payload length, or why it is unusable ('missing', 'part 3 length 5')
 -- Returns {1, claim, quarantined, adopted, payloads} where claim = {header, entry...}, header =
 -- "<new step> <count> <payload bytes> <gen> <0|1> <round shape>" (1 when a round shape is
@@ -34,15 +35,16 @@ local me = ARGV[2]
 if claim ~= base .. ':c:' .. me or not is_own(base, claim, 'c') or not is_count(ARGV[3])
     or tonumber(ARGV[3]) < 1 or not is_count(ARGV[4])
     or not (ARGV[5] == 'd' or ARGV[5] == 's') or not is_count(ARGV[6])
-    or not is_count(ARGV[7]) or not is_count(ARGV[8]) or not is_count(ARGV[9] or '')
-    or #ARGV ~= 9 + 2 * tonumber(ARGV[9]) then
+    or not is_count(ARGV[7]) or not is_count(ARGV[8]) or not is_inst(ARGV[9])
+    or not is_count(ARGV[10] or '') or #ARGV ~= 10 + 2 * tonumber(ARGV[10]) then
   return acc_error('BADARG take')
 end
 if #KEYS ~= 10 then return acc_error('BADKEY ' .. #KEYS) end
 local checked = {}  -- spread entry -> its length or why it is unusable, as the client found
-for i = 10, #ARGV, 2 do checked[ARGV[i]] = ARGV[i + 1] end
+for i = 11, #ARGV, 2 do checked[ARGV[i]] = ARGV[i + 1] end
 local err, st = read_state(state, ARGV[1], {'step', 'count', 'rshape', 'ttl', 'n_taken',
-  'grads_taken', 'gen', 'bytes'})
+  'grads_taken', 'gen', 'bytes', 'inst'})
+if not err then err = check_inst(st.inst, ARGV[9]) end
 if err then return err end
 if st.step == INT64_MAX then return acc_error('STEPMAX') end
 -- What this script and the client's reading of a claim (MGET, PEXPIRE, UNLINK) will need.

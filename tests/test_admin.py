@@ -89,7 +89,7 @@ def _claim_once(r: redis.Redis, k: Keys, taker: str, num_required: int, checked:
             k.claims,
             k.orphans,
         ],  # no earlier take's retry buffer to delete
-        [schema_of(r, k), taker, num_required, 15_000, "d", 4, 30_000, 0, len(checked) // 2,
+        [schema_of(r, k), taker, num_required, 15_000, "d", 4, 30_000, 0, "", len(checked) // 2,
          *checked],
     )
 

@@ -927,7 +927,8 @@ def test_the_tools_that_free_memory_work_at_maxmemory(own_server: Target) -> Non
     k = Keys("", "claimed")  # its round claimed by a taker that then died
     reply = _scripts.call(r, "take", [k.state, k.grads, k.takers, k.taker_info, k.claim("1-dead"),
                                       k.wake, k.queue_wake, k.quarantine, k.claims, k.orphans],
-                          [schema_of(r, k), "1-dead", 3, 15_000, "d", 4, 30_000, 0, 0])  # fmt: skip
+                          [schema_of(r, k), "1-dead", 3, 15_000, "d", 4, 30_000, 0, "",
+                           0])  # fmt: skip
     assert int(reply[0]) == 1 and r.exists(k.claim("1-dead"))
     r.config_set("maxmemory", 1 << 20)
     with pytest.raises(redis.exceptions.OutOfMemoryError):

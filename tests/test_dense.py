@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 import redis
-from _helpers import take_script
+from _helpers import redis_snapshot, take_script
 
 import accumulator
 from accumulator import _model
@@ -124,7 +124,7 @@ def test_an_object_of_an_accumulator_deleted_and_created_again_applies_nothing(t
     new = accumulator.ConditionalAccumulator(np.float32, shape=shape, shared_name="again",
                                              client=target.client())  # fmt: skip
     with pytest.raises(accumulator.NotFoundError, match="deleted and created again since this "
-                                                        "object opened it: nothing was applied"):
+                                                        "object opened it: nothing of the new"):
         old.apply_grad(np.full(shape, 7.0), local_step=0)
     assert new.num_accumulated() == 0
     state = r.hgetall(new.accumulator_ref + ":s")
@@ -138,6 +138,51 @@ def test_an_object_of_an_accumulator_deleted_and_created_again_applies_nothing(t
     # an accumulator created by an older client has no instance id: applies are not checked
     r.hdel(new.accumulator_ref + ":s", "inst")
     assert old.apply_grad(np.ones(shape), local_step=1)
+    old.close()
+    new.close()
+
+
+@pytest.mark.parametrize("kind", ["dense", "sparse"])
+def test_an_object_of_an_accumulator_deleted_and_created_again_takes_and_steps_nothing(
+    target, kind
+):
+    """Nor does such an object take, count, read or set the new one's step: its take
+    quarantined the new accumulator's gradients as "resized" (the old object's dtype and
+    shape were another), and its set_global_step moved the new one's step."""
+    r = target.redis()
+    if kind == "dense":
+        old = accumulator.ConditionalAccumulator(np.float32, (4,), shared_name="again",
+                                                 client=target.client())  # fmt: skip
+        accumulator._admin.delete(r, "again")
+        new = accumulator.ConditionalAccumulator(np.float64, (2,), shared_name="again",
+                                                 client=target.client())  # fmt: skip
+        for value in (1.0, 3.0):
+            assert new.apply_grad(np.full(2, value), local_step=0)
+    else:
+        old = accumulator.SparseConditionalAccumulator(np.float32, (5, 4), shared_name="again",
+                                                       client=target.client())  # fmt: skip
+        accumulator._admin.delete(r, "again")
+        new = accumulator.SparseConditionalAccumulator(np.float64, (5, 2), shared_name="again",
+                                                       client=target.client())  # fmt: skip
+        for value in (1.0, 3.0):
+            assert new.apply_indexed_slices_grad(
+                accumulator.IndexedSlices(np.full((1, 2), value), np.array([1])), local_step=0
+            )
+    before = redis_snapshot(r)
+    gone = pytest.raises(accumulator.NotFoundError, match="deleted and created again since")
+    with gone:
+        old.take_grad(1, timeout=1)
+    with gone:
+        old.set_global_step(9)
+    with gone:
+        old.num_accumulated()
+    with gone:
+        old.global_step()
+    assert redis_snapshot(r) == before
+    assert new.num_accumulated() == 2 and new.global_step() == 0
+    taken = new.take_grad(2, timeout=5)
+    got = taken if kind == "dense" else taken.values
+    np.testing.assert_array_equal(got, np.full((2,) if kind == "dense" else (1, 2), 2.0))
     old.close()
     new.close()
 

@@ -14,7 +14,7 @@ import redis
 from _helpers import entry_key_names
 
 import accumulator
-from accumulator import _reduce, _scripts
+from accumulator import _reduce, _scripts, _take
 from accumulator._keys import Keys
 
 SMALL = (3, 2)
@@ -368,6 +368,29 @@ def test_apply_script_refuses_garbage_before_any_write(target, field, value):
     with pytest.raises(accumulator.InvalidArgumentError, match="BADARG|BADKEY"):
         _scripts.call(acc.redis, "apply", keys, args)
     assert snapshot(r) == before
+
+
+@pytest.mark.parametrize("script", ["take", "set_step", "seal"])
+@pytest.mark.parametrize("inst", ["not hex", "a" * 33])
+def test_the_instance_id_of_other_scripts_is_checked_before_any_write(target, script, inst):
+    """The instance id a take, set_global_step and the sync chief's seal carry (as the
+    apply's): hex of 32 digits at most, refused before anything is written."""
+    acc = make(target)
+    acc.apply_grad(np.ones(SMALL))
+    k = acc._keys
+    if script == "take":
+        keys, args = _take.take_script_args(acc, "1-ab", 1, 10_000)
+        args[8] = inst  # ARGV[9]
+    else:
+        keys, args = [k.state], [acc._schema, 5, inst]
+    r = target.redis()
+    before = snapshot(r)
+    with pytest.raises(accumulator.InvalidArgumentError, match="BADARG"):
+        _scripts.call(acc.redis, script, keys, args)
+    assert snapshot(r) == before
+    # the right one (as the object sends it) goes through
+    args[8 if script == "take" else 2] = acc._instance
+    assert _scripts.call(acc.redis, script, keys, args)
 
 
 def test_open_refuses_a_ttl_redis_would_refuse(target):

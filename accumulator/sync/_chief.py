@@ -554,7 +554,7 @@ class ParameterServer(_Job):
         from now on an apply that is not stale is refused, so a worker that pushes before
         it has seen the end gets :class:`TrainingFinished` and applies nothing."""
         calls = [(acc, call_step(Call("sealing the finished job's accumulators", "seal",
-                                      [acc._keys.state], [acc._schema, self._step])))
+                                      [acc._keys.state], [acc._schema, self._step, acc._instance])))
                  for acc in self._accs.values()]  # fmt: skip
         failed = next((value for ok, value in run_together(calls) if not ok), None)
         if failed is not None:
