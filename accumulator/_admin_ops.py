@@ -125,14 +125,28 @@ def delete(
     entries, orphans, removed = atomically(r, queue)
     # spread payloads not in the round: registered, dropped, taken (their parts elsewhere)
     removed = int(removed) + _unlink(r, keys.orphan_parts(orphans))
-    rest = sorted(_scan(r, keys.pattern))
-    for name in rest:  # claims' spread payloads (their parts are not under the pattern)
-        if name.startswith(keys.claim("").encode()):
-            entries += [e for e in r.lrange(name, 1, -1) if isinstance(e, bytes)]
     # round entries are untrusted: only this accumulator's own payload keys are deleted
     removed += _unlink(r, keys.payload_keys(entries))
+    # What is found under the name now may be another accumulator's: one created again under
+    # it since (a worker's open). Its keys go in batches through lua/purge.lua, which deletes
+    # nothing once the name exists again; so do the payloads the claims found name (spread
+    # ones, in other slots, after the last batch).
+    rest = sorted(_scan(r, keys.pattern))
+    claimed: list[bytes] = []
+    for name in rest:
+        if name.startswith(keys.claim("").encode()):
+            claimed += [e for e in r.lrange(name, 1, -1) if isinstance(e, bytes)]
+    own = (keys.base + ":").encode()
+    payloads = keys.payload_keys(claimed)
+    rest += [key for key in payloads if key.startswith(own)]
     for i in range(0, len(rest), 500):
-        removed += int(r.unlink(*rest[i : i + 500]))
+        purged = int(_scripts.call(r, "purge", [keys.state, *rest[i : i + 500]], []))
+        if purged < 0:
+            logger.info("accumulator %r was created again while it was deleted: the keys of the "
+                        "new one are kept (the old one's left expire)", shared_name)  # fmt: skip
+            return removed
+        removed += purged
+    removed += _unlink(r, [key for key in payloads if not key.startswith(own)])
     if removed == 0:
         raise _not_found(shared_name, container)
     return removed

@@ -167,7 +167,8 @@ def _send_spread(
     k = acc._keys
     entry = k.spread_entry(blob, payload.nbytes)
     keys = [k.state, k.orphans]
-    args = [acc._schema, entry, _model.ORPHAN_TTL_MS, _model.SWEEP_COUNT, _model.SWEEP_LEASE_MS]
+    args = [acc._schema, entry, _model.ORPHAN_TTL_MS, _model.SWEEP_COUNT, _model.SWEEP_LEASE_MS,
+            acc._instance]  # fmt: skip
     durability = acc._durability()
     registered: list[Any] = []
     if durability is None:

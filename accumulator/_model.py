@@ -369,7 +369,7 @@ class AccumulatorModel:
         if values[0] is None:
             raise NotFoundError(f"accumulator {self._shared_name!r} does not exist")
         inst = values[1].decode() if isinstance(values[1], bytes) else values[1]
-        if self._instance and inst and inst != self._instance:  # (as lua's check_inst)
+        if self._instance and inst != self._instance:  # (as lua's check_inst)
             raise _scripts.recreated(self._keys.state)
         return list(values[2:])
 

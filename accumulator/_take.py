@@ -261,8 +261,8 @@ def _finish(acc: AccumulatorModel, taker: str, claim_key: str, blob_keys: list[b
     garbage: list[bytes] = []
     if isinstance(ours, list):  # (1, the spread payloads' garbage, leased to this taker)
         ours, garbage = ours
-    if not int(ours):
-        raise AccumulatorError(_taken_over_message(acc))
+    if not int(ours):  # taken over, or gone with the accumulator
+        raise (yield from _claim_lost(acc))
     missing = durability.shortfall(acked) if durability is not None else None
     if missing and durability is not None:
         # the round is this take's now: returning it is right; a failover before the
@@ -295,14 +295,24 @@ def _leave(acc: AccumulatorModel, taker: str, claim_key: str) -> Ops[None]:
 
 def _claim_lost(acc: AccumulatorModel) -> Ops[AccumulatorError]:
     """What to raise when a take's claim is gone while it read the round: taken over by
-    another taker, or gone with the whole accumulator."""
-    if (yield Command("take_grad", ("EXISTS", acc._keys.state))):
+    another taker, or gone with the whole accumulator (also: created again since)."""
+    schema, inst = yield Command("take_grad", ("HMGET", acc._keys.state, "schema", "inst"))
+    if schema is not None and not (acc._instance and _text(inst) != acc._instance):
         return AccumulatorError(_taken_over_message(acc))
+    if schema is not None:
+        return NotFoundError(
+            f"take_grad on {acc._shared_name!r}: the accumulator was deleted and created again "
+            "while this take read its round; this take returns nothing"
+        )
     return NotFoundError(
         f"take_grad on {acc._shared_name!r}: the accumulator is gone while this take read its "
         "round (deleted, or Redis lost its data: restarted without persistence, or failed "
         "over); this take returns nothing"
     )
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value or "")
 
 
 def _taken_over_message(acc: AccumulatorModel) -> str:

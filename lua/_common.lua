@@ -61,10 +61,11 @@ end
 -- The instance check (open.lua gives each new accumulator an id; an object's calls carry the
 -- one it opened): a call of an object that opened an accumulator since deleted and created
 -- again under its name is refused as NOTFOUND would be, before it reads or writes anything of
--- the new one. `want` absent or '' (hand-made calls), or no stored id (an accumulator of an
--- older client): unchecked.
+-- the new one. `want` absent or '' (hand-made calls, older clients): unchecked. No stored id
+-- is another accumulator too: open.lua gives one to every accumulator it opens, so one without
+-- was created again since (by an older client, or by hand).
 local function check_inst(stored, want)
-  if (want or '') ~= '' and stored and stored ~= want then return acc_error('RECREATED') end
+  if (want or '') ~= '' and stored ~= want then return acc_error('RECREATED') end
   return nil
 end
 

@@ -32,6 +32,8 @@ if have then
   else
     redis.call('HSETNX', state, 'maxbytes', ARGV[4])  -- written by an older version: none yet
   end
+  -- one created by an older client has no instance id: it gets this one (as if created now)
+  if (ARGV[7] or '') ~= '' then redis.call('HSETNX', state, 'inst', ARGV[7]) end
   local stored = redis.call('HMGET', state, 'def', 'sum', 'inst')
   return {0, stored[1], stored[2] or '', have, stored[3] or ''}
 end

@@ -8,16 +8,19 @@
 -- ARGV[3] how long a registration lasts, ms: an apply that has not recorded its payload by then
 --         is taken for dead (its registration becomes garbage; apply.lua then refuses it)
 -- ARGV[4] how many garbage members to hand out, at most  ARGV[5] the caller's lease on them, ms
+-- ARGV[6] the instance id of the registering apply's object (absent or '': unchecked; see
+--         check_inst): an apply refused so registers nothing in the new accumulator
 -- Returns the members handed out, each 'x' .. entry: the caller deletes their parts, then ZREMs
 -- them (a caller that dies leaves them to the next sweeper once its lease ran out).
 local base, kerr = own_keys({':o'})
 if not base then return kerr end
 local orphans, entry = KEYS[2], ARGV[2]
 if not (is_count(ARGV[3]) and is_count(ARGV[4]) and tonumber(ARGV[4]) <= 1000
-    and is_count(ARGV[5])) or (entry ~= '' and not spread_parts(base, entry)) then
+    and is_count(ARGV[5]) and is_inst(ARGV[6])) or (entry ~= '' and not spread_parts(base, entry)) then
   return acc_error('BADARG orphans')
 end
-local err = check_schema(KEYS[1], ARGV[1])
+local err, st = read_state(KEYS[1], ARGV[1], {'inst'})
+if not err then err = check_inst(st.inst, ARGV[6]) end
 if err then return err end
 err = check_acl({'ZADD', orphans, 'ZREM', orphans, 'ZRANGEBYSCORE', orphans})
 if err then return err end

@@ -7,7 +7,7 @@
 -- ARGV[1] schema  ARGV[2] taker id  ARGV[3] num_required  ARGV[4] lease ms
 -- ARGV[5] 'd' dense | 's' sparse  ARGV[6] bytes per element of the accumulator dtype
 -- ARGV[7] claim lease ms  ARGV[8] claim lease: extra ms per MiB of payload
--- ARGV[9] the instance id the client's object opened ('': unchecked; see check_inst)
+-- ARGV[9] the instance id the client's object opened (always sent; '': unchecked; see check_inst)
 -- ARGV[10] m, then m pairs ARGV[11..]: a spread entry the client checked (the reply {2, ...}
 --         below) and its payload length, or why it is unusable ('missing', 'part 3 length 5')
 -- Returns {1, claim, quarantined, adopted, payloads} where claim = {header, entry...}, header =

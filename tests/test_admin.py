@@ -15,7 +15,7 @@ import redis
 from _helpers import entry_key_names
 
 import accumulator
-from accumulator import _admin, _scripts
+from accumulator import _admin, _admin_ops, _scripts
 from accumulator._admin_ops import schema_of
 from accumulator._core import leave
 from accumulator._keys import SCHEMA_VERSION, Keys
@@ -440,6 +440,33 @@ def test_delete_removes_every_key(make: Callable[..., Any], r: redis.Redis) -> N
         _admin.delete(r, "doomed")
     assert [i.shared_name for i in _admin.list_accumulators(r)] == ["other"]
     assert _admin.describe(r, "other").count == 1
+
+
+def test_delete_keeps_an_accumulator_created_again_while_it_deletes(
+    make: Callable[..., Any], r: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Created again (a worker's open) after the delete removed the state and before it
+    looked for the rest of the name's keys: the new accumulator's keys are kept, its round
+    intact (they were deleted with the old one's: a review found it)."""
+    old = make("again", shape=BIG)
+    old.apply_grad(np.ones(BIG), local_step=0)
+    _claim_round(r, "again", "3-dead", 1)  # a claim of the old one, found by the scan
+    made: list[Any] = []
+    scan = _admin_ops._scan
+
+    def open_again_first(client: Any, pattern: Any) -> Any:
+        if not made:
+            made.append(make("again", shape=BIG))
+            for value in (2.0, 4.0):
+                assert made[0].apply_grad(np.full(BIG, value), local_step=0)
+        return scan(client, pattern)
+
+    monkeypatch.setattr(_admin_ops, "_scan", open_again_first)
+    assert _admin.delete(r, "again") >= 2  # (the old state and round, at least)
+    new = made[0]
+    assert new.num_accumulated() == 2
+    np.testing.assert_array_equal(new.take_grad(2, timeout=5), np.full(BIG, 3.0))
+    assert r.llen(Keys("", "again").quarantine) == 0
 
 
 def test_delete_odd_names(make: Callable[..., Any], r: redis.Redis) -> None:

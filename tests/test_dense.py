@@ -12,7 +12,7 @@ import redis
 from _helpers import redis_snapshot, take_script
 
 import accumulator
-from accumulator import _model
+from accumulator import _model, _scripts
 from accumulator._keys import Keys
 
 SMALL = (3, 2)
@@ -129,15 +129,57 @@ def test_an_object_of_an_accumulator_deleted_and_created_again_applies_nothing(t
     assert new.num_accumulated() == 0
     state = r.hgetall(new.accumulator_ref + ":s")
     assert int(state[b"n_applied"]) == int(state[b"n_rejected"]) == 0
-    # its payload gone (parts spread over a cluster's slots are swept later, as after any
-    # refused apply: registered in the orphans zset)
-    left = [k for k in r.scan_iter() if b"%p" not in k and not k.endswith(b":o")]
-    assert left == [(new.accumulator_ref + ":s").encode()]
+    # its payload gone (on a cluster, where parts are spread over slots, the apply is refused
+    # when it registers them, before any is written: nothing for a sweep either)
+    assert list(r.scan_iter()) == [(new.accumulator_ref + ":s").encode()]
     assert new.apply_grad(np.ones(shape), local_step=0)  # (the new object applies)
     np.testing.assert_array_equal(new.take_grad(1), np.ones(shape))
-    # an accumulator created by an older client has no instance id: applies are not checked
-    r.hdel(new.accumulator_ref + ":s", "inst")
-    assert old.apply_grad(np.ones(shape), local_step=1)
+    # one without an instance id was created again by an older client (or by hand): refused
+    # too; an object that opens it gives it its own (as if created now), and applies
+    state = new.accumulator_ref + ":s"
+    r.hdel(state, "inst")
+    with pytest.raises(accumulator.NotFoundError, match="deleted and created again since"):
+        new.apply_grad(np.ones(shape), local_step=1)
+    third = accumulator.ConditionalAccumulator(np.float32, shape=shape, shared_name="again",
+                                               client=target.client())  # fmt: skip
+    assert r.hget(state, "inst") == third._instance.encode()
+    assert third.apply_grad(np.ones(shape), local_step=1)
+    # a hand-made script call without an id is not checked
+    assert _scripts.call(r, "set_step", [state], [third._schema, 1]) == b"1"
+    for closing in (old, new, third):
+        closing.close()
+
+
+@pytest.mark.parametrize("shape", [SMALL, LARGE], ids=["sent", "read"])
+def test_a_take_whose_accumulator_is_created_again_while_it_reads_raises_not_found(
+    target, shape
+):
+    """Deleted and created again between the take's claim and its finish: NotFoundError
+    (not "another taker took the round over"), and the new accumulator untouched. ``sent``:
+    the payloads came with the claim (the finish finds its claim gone); ``read``: they are
+    read after it (gone by then)."""
+    r = target.redis()
+    old = accumulator.ConditionalAccumulator(np.float32, shape=shape, shared_name="again",
+                                             client=target.client())  # fmt: skip
+    assert old.apply_grad(np.ones(shape), local_step=0)
+    made = []
+    reduce = old._reduce_claim
+
+    def recreate_then_reduce(claim, out=None):
+        accumulator._admin.delete(r, "again")
+        new = accumulator.ConditionalAccumulator(np.float32, shape=shape, shared_name="again",
+                                                 client=target.client())  # fmt: skip
+        assert new.apply_grad(np.full(shape, 5.0), local_step=0)
+        made.append(new)
+        return (yield from reduce(claim, out))
+
+    old._reduce_claim = recreate_then_reduce
+    with pytest.raises(accumulator.NotFoundError, match="deleted and created again while this "
+                                                        "take read its round"):  # fmt: skip
+        old.take_grad(1, timeout=5)
+    new = made[0]
+    assert new.num_accumulated() == 1 and new.global_step() == 0
+    np.testing.assert_array_equal(new.take_grad(1, timeout=5), np.full(shape, 5.0))
     old.close()
     new.close()
 

@@ -52,7 +52,7 @@ def test_the_order_of_the_prelude_is_kept():
     assert out.index("function a") < out.index("function b") < out.index("function c")
 
 
-@pytest.mark.parametrize("name", [*_scripts.NAMES, "sync_lease", "sync_count"])
+@pytest.mark.parametrize("name", [*_scripts.NAMES, "sync_lease", "sync_count", "purge"])
 def test_every_prelude_name_a_script_uses_is_defined_before_it(name):
     """Whatever the pruning leaves out is never named by what it keeps, nor by the script:
     a name the prelude defines and the text uses, defined in the text sent."""

@@ -307,3 +307,37 @@ def test_a_worker_whose_accumulator_was_created_again_in_the_same_run_pulls_and_
     np.testing.assert_allclose(chief.params["a"], -2 * LR * np.ones(4))
     worker.close()
     chief.close()
+
+
+def test_a_push_refused_in_part_keeps_what_went_in_and_is_not_applied_twice(target):
+    """Of a push (no fusion: an accumulator per parameter) whose "a" was deleted by hand and
+    created again by a resumed chief, "b" is accepted into the run's live round: the push
+    again after the pull must apply "a" only ("b" was in the round twice: a found by a
+    review)."""
+    model = {"a": np.zeros(4, np.float32), "b": np.zeros(3, np.float32)}
+    ps = ParameterServer("fp", replicas_to_aggregate=2, client=target.client(), fusion_bytes=0)
+    ps.initialize(model)
+    w1 = Worker("fp", client=target.client(), worker_id="w1")
+    step, _ = w1.pull(timeout=5)
+    ps.close()
+    _admin.delete(target.redis(), ps.accumulator_names["a"])
+    chief = ParameterServer("fp", replicas_to_aggregate=2, client=target.client(),
+                            fusion_bytes=0)  # fmt: skip
+    assert chief.initialize(model) == 0  # resumed: "a" created again
+    w2 = Worker("fp", client=target.client(), worker_id="w2")
+    assert w2.pull(timeout=5)[0] == 0
+    with pytest.raises(accumulator.NotFoundError, match=r"b went into the job's rounds and are "
+                                                        r"kept .*pull\(\)"):  # fmt: skip
+        w1.push(step, {"a": np.full(4, 1.0), "b": np.full(3, 1.0)})
+    assert chief._accs["b"].num_accumulated() == 1
+    assert w1.pull(timeout=5)[0] == 0
+    assert w1.push(step, {"a": np.full(4, 1.0), "b": np.full(3, 1.0)}) == {"a": True, "b": True}
+    assert chief._accs["b"].num_accumulated() == 1  # not twice
+    assert all(w2.push(step, {"a": np.full(4, 3.0), "b": np.full(3, 3.0)}).values())
+    assert chief.step(LR, timeout=5) == 1
+    np.testing.assert_allclose(chief.params["a"], -2 * LR * np.ones(4))
+    np.testing.assert_allclose(chief.params["b"], -2 * LR * np.ones(3))
+    counts = chief.stats().workers["w1"]
+    assert (counts.pushes, counts.partial, counts.stale) == (1, 0, 0)  # one push, completed
+    for closing in (w1, w2, chief):
+        closing.close()

@@ -219,9 +219,10 @@ class Worker(_Job):
 
     def _adopt(self, published: Published) -> tuple[int, dict[str, np.ndarray]]:
         if self._reopen or published.run != self._run or published.specs != self._specs:
+            if published.run != self._run or published.specs != self._specs:
+                self._partial = None  # (applied into accumulators of another run)
             self._open_accumulators(published.specs, published.reduction, published.fusion)
             self._run = published.run
-            self._partial = None
             self._reopen = False
         self._published = dataclasses.replace(published, params={})
         self._step = published.step
@@ -300,19 +301,26 @@ class Worker(_Job):
         gone = next((value for ok, value in outcomes
                      if not ok and isinstance(value, NotFoundError)), None)  # fmt: skip
         if gone is not None:
-            # the job's accumulators were deleted (and maybe created again: a chief's
-            # initialize(resume=False)) since this worker pulled: its gradients belong to a
-            # run that is over
-            self._partial = None
+            # Accumulators this worker pulled were deleted (and maybe created again) since:
+            # the job started again (initialize(resume=False): every one of them is another
+            # now, nothing of this push went in), or one was deleted by hand and created
+            # again by a resumed chief: the tensors accepted into the others are in rounds
+            # that will be taken, and remembered as a part-way push is (a push again at this
+            # step after the pull applies only the rest; the pull forgets them if the run
+            # changed).
+            self._partial = (step, dict(result), push_id) if result else None
             self._reopen = True
-            if together:  # counted with the applies: taken back from the job's counters
-                with contextlib.suppress(Exception):
-                    self._count_now(push_id, "none")
+            went_in = sorted(name for name, ok in result.items() if ok)
+            with contextlib.suppress(Exception):  # (amended, or taken back)
+                if went_in or together:
+                    self._count_now(push_id, "partial" if went_in else "none")
+            kept = (f"{', '.join(went_in)} went into the job's rounds and are kept (a push "
+                    f"again at step {step} applies the others)" if went_in else
+                    "nothing of this push was applied")  # fmt: skip
             raise NotFoundError(
-                f"sync job {self.job!r}: the accumulators this worker pulled (run "
-                f"{self._run}) were deleted since, the job ended or started again; what was "
-                "applied went into nothing that will be taken: pull() to join the job as it "
-                f"is now ({gone})"
+                f"sync job {self.job!r}: accumulators this worker pulled (run {self._run}) "
+                f"were deleted since, the job ended or started again; {kept}: pull() to join "
+                f"the job as it is now ({gone})"
             ) from gone
         failed = next((value for ok, value in outcomes if not ok), None)
         if failed is not None:
