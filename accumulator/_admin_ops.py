@@ -106,7 +106,8 @@ def delete(
     checked: bool = False,
 ) -> int:  # fmt: skip
     """Delete every key of one accumulator (state, round, payloads, takers, claims, retry
-    records). Processes still using it get :class:`NotFoundError`. Returns the number of keys
+    records). Processes still using it get :class:`NotFoundError`; one that opens the name
+    while this runs creates a new accumulator, which is kept whole. Returns the number of keys
     deleted; raises :class:`NotFoundError` when there was none, and
     :class:`PermissionDeniedError` before deleting anything when the user may not run the
     transaction it starts with (``checked``: the caller found it may)."""

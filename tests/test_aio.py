@@ -214,6 +214,122 @@ def test_a_take_cancelled_while_reading_its_round_gives_it_back(target):
     run(main)
 
 
+def test_a_second_cancel_while_a_take_gives_its_round_back_waits_for_it(target, monkeypatch):
+    """A cancel landing after the first, as the take gives its round back (a second
+    ``cancel()``, Ctrl-C's): the giving back runs to its end. (It skipped the leave: the
+    round stayed claimed until its lease ran out; found by a review.)"""
+
+    from accumulator.aio import _core as aio_core
+
+    advance = aio_core.advance
+
+    def cancel_as_it_gives_back(ops: Any, reply: Any, error: Any) -> Any:
+        done, request = advance(ops, reply, error)
+        if not done and isinstance(request, Call) and request.name == "leave":
+            task = asyncio.current_task()
+            assert task is not None
+            task.cancel()  # the second: as the protocol hands over its leave
+        return done, request
+
+    async def main() -> None:
+        async with dense(target, LARGE) as acc:
+            for v in (1.0, 3.0):
+                await acc.apply_grad(np.full(LARGE, v, np.float32))
+            _cancel_at(acc, lambda r: isinstance(r, Batch) and "reading" in r.what)
+            monkeypatch.setattr(aio_core, "advance", cancel_as_it_gives_back)
+            with pytest.raises(asyncio.CancelledError):
+                await acc.take_grad(2)
+            monkeypatch.undo()
+            del acc._do
+            assert (await acc.num_accumulated(), await acc.global_step()) == (2, 0)
+            np.testing.assert_array_equal(await acc.take_grad(2, timeout=1), np.full(LARGE, 2))
+
+    run(main)
+
+
+def test_a_cancel_during_the_adds_of_a_large_apply_lets_it_return(target):
+    """On the module path a gradient of more than 8 parts is added into the sum by calls
+    after its apply was counted: a cancel then lets the apply return (it raised
+    CancelledError, and a retry counted the gradient twice; found by a review)."""
+    shape = (3_000_000,)  # 12 parts
+
+    async def main() -> None:
+        async with dense(target, shape) as acc:
+            if not acc.sums_in_redis:
+                pytest.skip("the sum is kept in Redis on the module path only")
+            await acc.apply_grad(np.full(shape, 1.0, np.float32))  # the round's sum
+            folding = asyncio.Event()
+            do = acc._do
+
+            async def slow_fold(conns: Any, request: Any) -> Any:
+                if isinstance(request, Call) and request.name == "fold":
+                    folding.set()
+                    await asyncio.sleep(0.2)  # (a slow link) the cancel comes now
+                return await do(conns, request)
+
+            acc._do = slow_fold
+            applied = []
+
+            async def apply() -> None:
+                applied.append(await acc.apply_grad(np.full(shape, 2.0, np.float32)))
+                await asyncio.sleep(1)  # the cancel lands at the next await
+
+            task = asyncio.create_task(apply())
+            await folding.wait()
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert applied == [True]
+            del acc._do
+            assert await acc.num_accumulated() == 2
+            np.testing.assert_array_equal(await acc.take_grad(2, timeout=5), np.full(shape, 1.5))
+
+    run(main)
+
+
+def test_aclose_while_another_task_opens_leaves_no_connection(real):
+    """``aclose()`` while the first operation of another task opens the accumulator: that
+    operation raises CancelledError and the connections it made are closed (they were kept,
+    and the shared pools' registration, by an object already closed)."""
+    from accumulator.aio import _connection as aio_connection
+
+    async def main() -> None:
+        acc = aio.ConditionalAccumulator(np.float32, (3,), shared_name="c", client=str(real.url))
+        task = asyncio.create_task(acc.apply_grad(np.ones(3)))
+        await asyncio.sleep(0.001)  # opening
+        await acc.aclose()
+        with pytest.raises(accumulator.CancelledError):
+            await task
+        assert acc._conns is None
+        assert not [e for e in aio_connection._SHARED.values() if e.users]
+
+    run(main)
+
+
+def test_a_take_cancelled_while_it_subscribes_keeps_no_subscription(target):
+    """A queued take (behind another) cancelled while its SUBSCRIBE is on its way: nothing of
+    it is kept (each such cancel left a PubSub object in the accumulator's waits)."""
+    from accumulator._requests import Subscribe
+
+    async def main() -> None:
+        async with dense(target) as acc:
+            acc.wait_slice = 0.2
+            head = asyncio.create_task(acc.take_grad(1))  # waits at the head of the queue
+            await asyncio.sleep(0.3)
+            held = len(acc._waits)
+            for _ in range(5):
+                _cancel_at(acc, lambda r: isinstance(r, Subscribe), started=True)
+                with pytest.raises(asyncio.CancelledError):
+                    await asyncio.create_task(acc.take_grad(1))
+                del acc._do
+            assert len(acc._waits) == held
+            head.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await head
+
+    run(main)
+
+
 def test_a_cancel_during_the_final_commit_lets_the_take_complete(target):
     async def main() -> None:
         async with dense(target) as acc:

@@ -160,6 +160,7 @@ class AccumulatorBase(AccumulatorModel):
                 try:
                     await self._drive(conns, self._open_ops(server_of(conns.commands),
                                                             is_cluster(conns.commands)))
+                    self._check_open()  # (aclose() from another task meanwhile)
                 except BaseException:
                     await conns.close()
                     raise
@@ -262,6 +263,13 @@ class AccumulatorBase(AccumulatorModel):
         await asyncio.sleep(0)
         seen = _cancelling(task)
         held = False  # a cancel held back by a commit, to deliver at the end
+        # After a commit went through the operation only completes (an apply's folds, a take's
+        # sweep), and after a cancel was thrown into it, it only gives back what it holds (a
+        # take's leave, an apply's withdraw): from then on every request runs to its end as a
+        # commit does, and a later cancel is held back, not thrown in (a second one, or Ctrl-C
+        # landing there, skipped the leave: the round stayed claimed until its lease ran out;
+        # one during the folds raised after the apply was counted: a retry counted it twice).
+        ending = False
         reply: Any = None
         error: BaseException | None = None
         while True:
@@ -280,18 +288,20 @@ class AccumulatorBase(AccumulatorModel):
             reply, error = None, None
             try:
                 commit = getattr(request, "commit", False)
-                if commit:
+                if commit and not ending:
                     await asyncio.sleep(0)  # a cancel already requested lands here
-                if _cancelling(task) > seen and not held:
+                if _cancelling(task) > seen and not held and not ending:
                     raise asyncio.CancelledError("cancelled during the previous request")
-                if commit:
+                if commit or ending:
                     reply, absorbed = await _complete(self._do(conns, request))
                     held = held or absorbed
+                    ending = ending or commit
                 else:
                     reply = await self._do(conns, request)
             except BaseException as exc:  # noqa: BLE001 - the protocol decides what to do
                 if isinstance(exc, asyncio.CancelledError):
                     seen = _cancelling(task)
+                    ending = True
                 error = exc
 
     async def _do(self, conns: AsyncConnections, request: Request) -> Any:
@@ -325,7 +335,12 @@ class AccumulatorBase(AccumulatorModel):
                 return None
             queue = blocking.pubsub(ignore_subscribe_messages=True)
             self._waits.add(queue)
-            if not await self._wait(lambda: queue.subscribe(request.channel)):
+            try:
+                subscribed = await self._wait(lambda: queue.subscribe(request.channel))
+            except BaseException:  # (cancelled: the take never gets the handle to drop)
+                await self._drop_queue(queue)
+                raise
+            if not subscribed:
                 await self._drop_queue(queue)
                 return None
             return queue
