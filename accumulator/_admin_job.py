@@ -6,6 +6,9 @@ uses itself."""
 
 from __future__ import annotations
 
+import os
+import socket
+import uuid
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from types import SimpleNamespace
@@ -14,7 +17,7 @@ from typing import Any, NamedTuple, cast
 import msgpack
 import redis
 
-from . import _fusion
+from . import _fusion, _scripts
 from ._admin_info import _int, _server_ms, _text, live_takers, queue_time
 from ._admin_ops import delete
 from ._codec import resolve_dtype
@@ -295,27 +298,74 @@ def delete_job(
     """Delete every key of a sync job: its parameters, counters, chief lease and the
     accumulators of its parameters. Refuses (:class:`InvalidArgumentError`) a job that is
     not finished unless ``force``. Returns the number of keys deleted; raises
-    :class:`NotFoundError` when there was none."""
+    :class:`NotFoundError` when there was none.
+
+    Unless a chief still holds it (a finished job's, or ``force``), the delete holds the job's
+    chief lease while it runs (under an id of its own): a chief that starts meanwhile gets
+    ``ChiefConflictError`` instead of a new run being deleted under it (the check that the
+    job is finished is made while the lease is held)."""
     keys = SyncKeys(container, job, sync_prefix)
-    step, done, meta = cast("list[Any]", r.hmget(keys.params, ["step", "done", "meta"]))
-    if not force and step is not None and done != b"1":
-        raise InvalidArgumentError(
-            f"sync job {job!r} is not finished (published step {_int(step)}); pass force to "
-            "delete it anyway"
-        )
-    specs, *_, unit_of = _job_specs(meta)
-    removed = 0
-    for name in dict.fromkeys(unit_of[s.name] for s in specs):
-        try:
-            removed += delete(r, f"{job}/{name}", container, prefix=prefix)
-        except NotFoundError:
-            continue
-    removed += int(r.unlink(keys.params, keys.stats, chief_lease_key(keys)))
-    removed += delete_param_versions(r, keys)
+    lease = _AdminLease(r, chief_lease_key(keys))
+    holder = lease.acquire()
+    try:
+        step, done, meta = cast("list[Any]", r.hmget(keys.params, ["step", "done", "meta"]))
+        if not force and step is not None and done != b"1":
+            chief = f"; its chief {holder} is live" if holder is not None else ""
+            raise InvalidArgumentError(
+                f"sync job {job!r} is not finished (published step {_int(step)}{chief}); pass "
+                "force to delete it anyway"
+            )
+        specs, *_, unit_of = _job_specs(meta)
+        removed = 0
+        for name in dict.fromkeys(unit_of[s.name] for s in specs):
+            try:
+                removed += delete(r, f"{job}/{name}", container, prefix=prefix)
+            except NotFoundError:
+                continue
+            lease.acquire()  # (renewed: a model of many accumulators takes a while)
+        removed += int(r.unlink(keys.params, keys.stats))
+        removed += delete_param_versions(r, keys)
+    finally:
+        lease.release()
+    # the record of a lease of the job's (the live one, forced; or one that ran out)
+    removed += int(r.unlink(chief_lease_key(keys))) if holder is not None else lease.previous
     if removed == 0:
         where = f" in container {container!r}" if container else ""
         raise NotFoundError(f"no sync job named {job!r}{where}")
     return removed
+
+
+class _AdminLease:
+    """The job's chief lease held by a delete (``lua/sync_lease.lua`` with an id of its own):
+    a chief cannot start while it is held. ``previous``: 1 when a record of an expired lease
+    was there (it counts as a key of the job deleted)."""
+
+    SECONDS = 60.0
+
+    def __init__(self, r: redis.Redis, key: str) -> None:
+        self._r = r
+        self._key = key
+        self._id = f"admin-delete-{uuid.uuid4().hex[:12]}"
+        self._args = [self._id, int(self.SECONDS * 1000), socket.gethostname(), os.getpid(), 0]
+        self.held = False
+        self.previous = 0
+
+    def acquire(self) -> str | None:
+        """Take or renew the lease; None, or who holds it (a live chief: not taken)."""
+        reply = _scripts.call(self._r, "sync_lease", [self._key], ["acquire", *self._args])
+        if int(reply[0]) != 1:
+            holder = reply[1].decode() if isinstance(reply[1], bytes) else str(reply[1])
+            host = reply[2].decode() if isinstance(reply[2], bytes) else str(reply[2])
+            return f"{holder!r} on host {host or '?'}, pid {_int(reply[3]) or '?'}"
+        if not self.held and len(reply) > 1 and reply[1]:
+            self.previous = 1
+        self.held = True
+        return None
+
+    def release(self) -> None:
+        if self.held:
+            _scripts.call(self._r, "sync_lease", [self._key], ["release", *self._args])
+            self.held = False
 
 
 def delete_param_versions(r: redis.Redis, keys: SyncKeys) -> int:

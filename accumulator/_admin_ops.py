@@ -144,7 +144,8 @@ def delete(
         purged = int(_scripts.call(r, "purge", [keys.state, *rest[i : i + 500]], []))
         if purged < 0:
             logger.info("accumulator %r was created again while it was deleted: the keys of the "
-                        "new one are kept (the old one's left expire)", shared_name)  # fmt: skip
+                        "new one are kept, and what was left of the old one (`delete` removes "
+                        "it once the new one is gone)", shared_name)  # fmt: skip
             return removed
         removed += purged
     removed += _unlink(r, [key for key in payloads if not key.startswith(own)])
@@ -220,6 +221,11 @@ def _drop_claim(
             queue(pipe, blobs, spread)
             pipe.execute()
         return entries, spread
+    except redis.WatchError:
+        raise NotFoundError(
+            f"the round claimed by {taker_id!r} changed while it was being dropped (the taker "
+            "is alive: it finished, or gave it back; or it was handed over): nothing was dropped"
+        ) from None
     except OutOfMemoryError:
         logger.debug("at maxmemory: the claimed round is dropped by plain deletes")
     entries = r.lrange(claim, 0, -1)
@@ -254,9 +260,10 @@ def evict(
     claimed round gives it back as ``leave`` would (or, if the accumulator moved on, hands it
     to the next take); ``drop=True`` deletes that round's gradients instead. Returns
     ``"left"``, ``"given back"``, ``"handed over"`` or ``"dropped"``; raises
-    :class:`NotFoundError` when there is no such taker (or accumulator). Evicting a live
-    taker makes its take raise (it finds its claim or its place gone) rather than return
-    anything twice.
+    :class:`NotFoundError` when there is no such taker (or accumulator), also when a live
+    taker's claim changes while it is dropped. Evicting a live taker never makes a round
+    count twice: one that holds a claim finds it gone and its take raises; one that waits
+    joins the queue again at its next slice.
     """
     keys = Keys(container, shared_name, prefix)
     claim = keys.claim(taker_id)

@@ -328,7 +328,9 @@ def _job(ctx: Context, args: argparse.Namespace) -> int:
         args.yes,
         f"delete sync job {esc(args.name, quote=True)}",
     )
-    removed = _admin.delete_job(r, args.name, ctx.scope, force=True)
+    # (checked again while the delete holds the job's chief lease: a job started again
+    # during the question is refused, unless --force)
+    removed = _admin.delete_job(r, args.name, ctx.scope, force=args.force)
     if ctx.json:
         ctx.dump({"container": ctx.scope, "job": args.name, "keys_deleted": removed})
     else:

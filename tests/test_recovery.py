@@ -64,6 +64,29 @@ def test_evict_a_dead_waiting_taker_unblocks_the_queue(target):
         accumulator._admin.evict(r, "r", "1-dead")
 
 
+def test_evict_drop_of_a_live_taker_whose_claim_changes_drops_nothing(target, monkeypatch):
+    """``evict --drop`` of a taker that is alive after all: it gives its round back while the
+    drop reads the claim. NotFoundError, nothing dropped (redis-py's WatchError leaked)."""
+    acc = make(target)
+    acc.apply_grad(np.ones(SHAPE))
+    _abandoned_take(acc, "3-a1fe", 1, taker_lease_ms=60_000, claim_lease_ms=60_000)
+    r = target.redis()
+    keys = accumulator._keys.Keys("", "r")
+    payload_keys = accumulator._keys.Keys.payload_keys
+
+    def live_taker_leaves_meanwhile(self, entries):
+        if entries:  # (between the drop's WATCH and its EXEC)
+            accumulator._core.leave(target.redis(), keys, "3-a1fe", acc._schema)
+        return payload_keys(self, entries)
+
+    monkeypatch.setattr(accumulator._keys.Keys, "payload_keys", live_taker_leaves_meanwhile)
+    with pytest.raises(accumulator.NotFoundError, match="changed while it was being dropped"):
+        accumulator._admin.evict(r, "r", "3-a1fe", drop=True)
+    monkeypatch.undo()
+    assert (acc.global_step(), acc.num_accumulated()) == (0, 1)
+    np.testing.assert_array_equal(acc.take_grad(1, timeout=5), np.ones(SHAPE))
+
+
 @pytest.mark.parametrize("shape", [SHAPE, (64, 1024)], ids=["inline", "blob"])
 def test_evict_gives_a_dead_takers_round_back_or_drops_it(target, shape):
     acc = make(target, shape=shape)

@@ -940,3 +940,33 @@ def test_chief_process_sigkilled_mid_step_restarts_exactly(real, tmp_path, scrip
     for w in workers:
         w.close()
     chief.close()
+
+
+def test_a_job_delete_holds_the_chief_lease_so_no_new_run_is_deleted(target, monkeypatch):
+    """A chief starting a new run of a finished job while ``delete_job`` (no force) runs:
+    it gets ChiefConflictError (the delete holds the job's chief lease); the run it would have
+    started was deleted under it, accepted pushes and all (found by a review)."""
+    from accumulator import _admin_job
+
+    model = {"w": np.zeros(4, np.float32)}
+    ps = ParameterServer("jd", replicas_to_aggregate=1, client=target.client())
+    ps.initialize(model)
+    ps.finish()
+    ps.close()
+    new = ParameterServer("jd", replicas_to_aggregate=1, client=target.client())
+    refused = []
+    job_specs = _admin_job._job_specs
+
+    def a_chief_starts_meanwhile(meta):
+        with pytest.raises(ChiefConflictError, match="admin-delete-") as info:
+            new.initialize(model, resume=False)
+        refused.append(info.value)
+        return job_specs(meta)
+
+    monkeypatch.setattr(_admin_job, "_job_specs", a_chief_starts_meanwhile)
+    r = target.redis()
+    assert accumulator._admin.delete_job(r, "jd") > 0
+    assert refused and list(r.scan_iter()) == []
+    monkeypatch.undo()
+    assert new.initialize(model) == 0  # after the delete: a new job
+    new.close()
