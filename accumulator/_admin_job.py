@@ -354,9 +354,8 @@ class _AdminLease:
         """Take or renew the lease; None, or who holds it (a live chief: not taken)."""
         reply = _scripts.call(self._r, "sync_lease", [self._key], ["acquire", *self._args])
         if int(reply[0]) != 1:
-            holder = reply[1].decode() if isinstance(reply[1], bytes) else str(reply[1])
-            host = reply[2].decode() if isinstance(reply[2], bytes) else str(reply[2])
-            return f"{holder!r} on host {host or '?'}, pid {_int(reply[3]) or '?'}"
+            return (f"{_text(reply[1])!r} on host {_text(reply[2]) or '?'}, "
+                    f"pid {_int(reply[3]) or '?'}")
         if not self.held and len(reply) > 1 and reply[1]:
             self.previous = 1
         self.held = True

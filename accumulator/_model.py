@@ -303,11 +303,10 @@ class AccumulatorModel:
              int(limit), explicit, summed, uuid.uuid4().hex],
         )  # fmt: skip
         self._schema = int(schema)
-        # this accumulator, not one created again under its name after a delete: every
-        # apply carries it (lua/apply.lua); '' for one created by an older client
-        self._instance = (inst[0].decode() if isinstance(inst[0], bytes) else str(inst[0])
-                          ) if inst else ""  # fmt: skip
-        self._sum_dtype = summed.decode() if isinstance(summed, bytes) else (summed or "")
+        # this accumulator, not one created again under its name after a delete: every call
+        # of this object carries it (check_inst in lua/_common.lua; _recreated here)
+        self._instance = _text(inst[0]) if inst else ""
+        self._sum_dtype = _text(summed)
         if self._want_sum is not None and self._want_sum != bool(self._sum_dtype):
             logger.warning(
                 "accumulator %r exists and sums %s: sum_in_redis=%s applies only when an "
@@ -368,10 +367,15 @@ class AccumulatorModel:
         values = yield Command("read", ("HMGET", self._keys.state, "schema", "inst", *fields))
         if values[0] is None:
             raise NotFoundError(f"accumulator {self._shared_name!r} does not exist")
-        inst = values[1].decode() if isinstance(values[1], bytes) else values[1]
-        if self._instance and inst != self._instance:  # (as lua's check_inst)
+        if self._recreated(values[1]):
             raise _scripts.recreated(self._keys.state)
         return list(values[2:])
+
+    def _recreated(self, stored: bytes | str | None) -> bool:
+        """Whether ``stored``, the state's instance id, is not the one this object opened: the
+        accumulator was deleted and created again since (the twin of ``check_inst`` in
+        ``lua/_common.lua``; an object of an accumulator without an id checks nothing)."""
+        return bool(self._instance) and _text(stored) != self._instance
 
     def _count_ops(self) -> Ops[int]:
         return int((yield from self._read_state_ops("count"))[0] or 0)
@@ -390,6 +394,10 @@ class AccumulatorModel:
                 "current_global_step_ = %d >= %d = new_global_step.",
                 old, new,
             )  # fmt: skip
+
+
+def _text(value: bytes | str | None) -> str:
+    return value.decode() if isinstance(value, bytes) else (value or "")
 
 
 def _load_scripts() -> Ops[None]:

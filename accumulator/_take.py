@@ -297,22 +297,18 @@ def _claim_lost(acc: AccumulatorModel) -> Ops[AccumulatorError]:
     """What to raise when a take's claim is gone while it read the round: taken over by
     another taker, or gone with the whole accumulator (also: created again since)."""
     schema, inst = yield Command("take_grad", ("HMGET", acc._keys.state, "schema", "inst"))
-    if schema is not None and not (acc._instance and _text(inst) != acc._instance):
-        return AccumulatorError(_taken_over_message(acc))
-    if schema is not None:
+    if schema is None:
+        return NotFoundError(
+            f"take_grad on {acc._shared_name!r}: the accumulator is gone while this take read "
+            "its round (deleted, or Redis lost its data: restarted without persistence, or "
+            "failed over); this take returns nothing"
+        )
+    if acc._recreated(inst):
         return NotFoundError(
             f"take_grad on {acc._shared_name!r}: the accumulator was deleted and created again "
             "while this take read its round; this take returns nothing"
         )
-    return NotFoundError(
-        f"take_grad on {acc._shared_name!r}: the accumulator is gone while this take read its "
-        "round (deleted, or Redis lost its data: restarted without persistence, or failed "
-        "over); this take returns nothing"
-    )
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value or "")
+    return AccumulatorError(_taken_over_message(acc))
 
 
 def _taken_over_message(acc: AccumulatorModel) -> str:

@@ -41,18 +41,6 @@ local function check_schema(state, want)
   return nil
 end
 
--- One HMGET for the schema check and the fields a script needs (a call per field costs more
--- than the work). Returns an error reply, or nil and a table field -> value (false if unset).
-local function read_state(state, want, fields)
-  local values = redis.pcall('HMGET', state, 'schema', unpack(fields))
-  if values.err then return probe_error('HMGET', state, 'hash', values.err) end
-  if not values[1] then return acc_error('NOTFOUND') end
-  if values[1] ~= want then return acc_error('SCHEMA ' .. values[1]) end
-  local out = {}
-  for i, name in ipairs(fields) do out[name] = values[i + 1] end
-  return nil, out
-end
-
 -- An instance id as open.lua stores it (hex, 32 digits at most), or '' / absent (none).
 local function is_inst(s)
   return string.find(s or '', '^%x*$') ~= nil and #(s or '') <= 32
@@ -67,6 +55,21 @@ end
 local function check_inst(stored, want)
   if (want or '') ~= '' and stored ~= want then return acc_error('RECREATED') end
   return nil
+end
+
+-- One HMGET for the schema check, the instance check (`inst`: the id the caller's object
+-- opened; nil or '': none) and the fields a script needs (a call per field costs more than the
+-- work). Returns an error reply, or nil and a table field -> value (false if unset).
+local function read_state(state, want, fields, inst)
+  local values = redis.pcall('HMGET', state, 'schema', 'inst', unpack(fields))
+  if values.err then return probe_error('HMGET', state, 'hash', values.err) end
+  if not values[1] then return acc_error('NOTFOUND') end
+  if values[1] ~= want then return acc_error('SCHEMA ' .. values[1]) end
+  local err = check_inst(values[2], inst)
+  if err then return err end
+  local out = {}
+  for i, name in ipairs(fields) do out[name] = values[i + 2] end
+  return nil, out
 end
 
 -- Integers as decimal strings. Lua's own number-to-string conversion ('%.14g') turns

@@ -48,8 +48,7 @@ if ARGV[5] == 'p' or spread then
 end
 local payload_keys = inline and {} or entry_keys(base, entry)
 local err, st = read_state(state, ARGV[1], {'step', 'count', 'rshape', 'ttl', 'bytes',
-  'n_applied', 'maxbytes', 'sum', 'sealed', 'inst'})
-if not err then err = check_inst(st.inst, ARGV[10]) end  -- (then nothing of it is touched)
+  'n_applied', 'maxbytes', 'sum', 'sealed'}, ARGV[10])  -- (RECREATED: nothing of it touched)
 local function drop_payload()  -- nobody will ever reference it
   if #payload_keys > 0 then unlink_all(payload_keys) end
   if spread and not err then

@@ -8,12 +8,13 @@
 -- ARGV[6] the accsum module's dtype when a new accumulator keeps its sums in Redis, else ''
 --         (decided once, at creation: every client of it then agrees)
 -- ARGV[7] an instance id for a new accumulator (hex, up to 32 digits; absent or '': none):
---         stored at creation, it tells this accumulator from one deleted and created again
---         under the same name (apply.lua refuses an apply of an object opened on another)
+--         stored at creation (or at the first open of one an older client made), it tells
+--         this accumulator from one deleted and created again under the same name (the calls
+--         of an object opened on another are refused: check_inst in _common.lua)
 -- Returns {1, def, sum, schema, inst} when created, {0, def, sum, schema, inst} when it
 -- existed (the client compares definitions; sum = the stored module dtype or ''; schema: 2
 -- or 3, what every other script of this accumulator is to be called with; inst = the stored
--- instance id, '' for one created by an older client).
+-- instance id, '' only when none was given).
 local state = KEYS[1]
 if not own_keys({}) then return acc_error('BADKEY 1') end
 if not (is_count(ARGV[3]) and is_count(ARGV[4]) and (ARGV[5] == '0' or ARGV[5] == '1')

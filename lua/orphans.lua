@@ -19,8 +19,7 @@ if not (is_count(ARGV[3]) and is_count(ARGV[4]) and tonumber(ARGV[4]) <= 1000
     and is_count(ARGV[5]) and is_inst(ARGV[6])) or (entry ~= '' and not spread_parts(base, entry)) then
   return acc_error('BADARG orphans')
 end
-local err, st = read_state(KEYS[1], ARGV[1], {'inst'})
-if not err then err = check_inst(st.inst, ARGV[6]) end
+local err = read_state(KEYS[1], ARGV[1], {}, ARGV[6])
 if err then return err end
 err = check_acl({'ZADD', orphans, 'ZREM', orphans, 'ZRANGEBYSCORE', orphans})
 if err then return err end

@@ -43,8 +43,7 @@ if #KEYS ~= 10 then return acc_error('BADKEY ' .. #KEYS) end
 local checked = {}  -- spread entry -> its length or why it is unusable, as the client found
 for i = 11, #ARGV, 2 do checked[ARGV[i]] = ARGV[i + 1] end
 local err, st = read_state(state, ARGV[1], {'step', 'count', 'rshape', 'ttl', 'n_taken',
-  'grads_taken', 'gen', 'bytes', 'inst'})
-if not err then err = check_inst(st.inst, ARGV[9]) end
+  'grads_taken', 'gen', 'bytes'}, ARGV[9])
 if err then return err end
 if st.step == INT64_MAX then return acc_error('STEPMAX') end
 -- What this script and the client's reading of a claim (MGET, PEXPIRE, UNLINK) will need.
