@@ -3,6 +3,9 @@ what is stored, crashed takers that leave nothing stranded."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import numpy as np
 import pytest
 from _helpers import take_script
@@ -62,6 +65,26 @@ def test_evict_a_dead_waiting_taker_unblocks_the_queue(target):
     np.testing.assert_array_equal(acc.take_grad(1, timeout=5), np.ones(SHAPE))
     with pytest.raises(accumulator.NotFoundError, match="no taker"):
         accumulator._admin.evict(r, "r", "1-dead")
+
+
+def test_evict_drop_of_a_dead_waiting_head_wakes_the_taker_behind_it(real):
+    acc = make(real)
+    assert _abandoned_take(acc, "1-dead", 5, taker_lease_ms=60_000, claim_lease_ms=60_000)[0] == 0
+    acc.apply_grad(np.ones(SHAPE))
+    behind = make(real)
+    behind.wait_slice = 60.0  # not woken: it would wait out its timeout
+    got: list = []
+    waiter = threading.Thread(target=lambda: got.append(behind.take_grad(1, timeout=30)),
+                              daemon=True)
+    waiter.start()
+    r = real.redis()
+    while r.zcard(behind._keys.takers) < 2:  # it waits behind the dead head
+        time.sleep(0.01)
+    time.sleep(0.5)  # subscribed to head changes, and looked again once (still behind it)
+    assert accumulator._admin.evict(r, "r", "1-dead", drop=True) == "left"
+    waiter.join(20)
+    assert not waiter.is_alive() and len(got) == 1
+    np.testing.assert_array_equal(got[0], np.ones(SHAPE))
 
 
 def test_evict_drop_of_a_live_taker_whose_claim_changes_drops_nothing(target, monkeypatch):
