@@ -49,7 +49,7 @@ def apply(
     try:
         sent = yield from _send(acc, payload, shape_token, local_step, first_error,
                                 ident.client_id, ident.seq)  # fmt: skip
-        reply, blob, inline, acked, garbage = sent
+        reply, blob, inline, acked, garbage, rewritten = sent
     except BaseException:
         if nbytes > _model.INLINE_MAX_BYTES and not acc.spreads_parts:
             yield from _withdraw(acc, ident.client_id, ident.seq, nbytes)
@@ -61,6 +61,8 @@ def apply(
         # dropped (stale, refused: the script leased its parts to us) and what was swept
         mine = [] if code == 1 else [b"x" + acc._keys.spread_entry(blob, nbytes)]
         yield from discard(acc, [*mine, *garbage])
+    if rewritten:
+        yield from _unlink_rewritten(acc, rewritten)
     # parts left to fold into the sum in Redis; a retry's answer does not say: look
     if code == 1 and not inline and acc._sum_dtype and (
         len(reply) > 4 and int(reply[4]) or int(reply[3])
@@ -102,11 +104,11 @@ def apply(
 def _send(
     acc: AccumulatorModel, payload: memoryview, shape_token: str, local_step: int,
     first_error: str, cid: str, seq: int,
-) -> Ops[tuple[Any, str, bool, list[Any], list[bytes]]]:  # fmt: skip
+) -> Ops[tuple[Any, str, bool, list[Any], list[bytes], list[bytes]]]:  # fmt: skip
     """The apply's pipeline: (script reply, payload key, inline, the durability waits'
-    replies, spread garbage this apply is to sweep). Every attempt sends the same (client id,
-    seq): the script answers a retry of an apply it already counted without counting it
-    again."""
+    replies, spread garbage this apply is to sweep, parts a retry wrote again that nothing
+    holds). Every attempt sends the same (client id, seq): the script answers a retry of an
+    apply it already counted without counting it again."""
     nbytes = payload.nbytes
     k = acc._keys
     blob = k.blob(cid, seq)
@@ -119,7 +121,7 @@ def _send(
     durability = acc._durability()
     if inline and durability is None:
         reply = yield Call("apply_grad", "apply", keys, args, commit=True)
-        return reply, blob, True, [], []
+        return reply, blob, True, [], [], []
     acked: list[Any] = []
     garbage: list[bytes] = []
     commands: list[tuple[Any, ...]] = []
@@ -138,7 +140,25 @@ def _send(
     replies = yield from committed("apply_grad", commands, durability, k.state, by_last=True)
     if durability is not None:
         acked.append(replies.acked)
-    return replies[-1], blob, inline, acked, garbage
+    reply = replies[-1]
+    rewritten: list[bytes] = []
+    if not isinstance(reply, Exception) and int(reply[0]) == 1 and len(reply) > 3 and int(reply[3]):
+        # A retry of an apply that was counted: a part its SET NX wrote (none was there) is one
+        # the round no longer holds (added into the sum in Redis, or the round taken since):
+        # nothing references it, and it would stay for the orphan expiry (an hour)
+        rewritten = [c[1] for c, r in zip(commands[:-1], replies[:-1], strict=True)
+                     if r is not None and not isinstance(r, Exception)]  # fmt: skip
+    return reply, blob, inline, acked, garbage, rewritten
+
+
+def _unlink_rewritten(acc: AccumulatorModel, parts: list[bytes]) -> Ops[None]:
+    """Delete the parts a retry of a counted apply wrote again (see :func:`_send`). Best
+    effort: they expire on their own."""
+    try:
+        yield Command("apply_grad (cleaning up)", ("UNLINK", *parts))
+    except Exception:  # noqa: BLE001 - the apply is counted: its answer stands
+        logger.debug("deleting the parts a retried apply of %r wrote again failed",
+                     acc._shared_name, exc_info=True)  # fmt: skip
 
 
 def _withdraw(acc: AccumulatorModel, cid: str, seq: int, nbytes: int) -> Ops[None]:
@@ -270,9 +290,11 @@ def first_error(replies: list[Any]) -> Exception | None:
 
 def fold(acc: AccumulatorModel, blob: str) -> Ops[None]:
     """Add the rest of an accepted gradient into the round's sum in Redis, a few parts per
-    script (lua/fold.lua), so that other clients are served in between. The apply is
-    already counted: a failure here is logged, not raised (the taker reads the parts
-    not folded in yet), and a retried call folds nothing twice."""
+    script (lua/fold.lua), so that other clients are served in between. Folds go in apply
+    order: the script folds an earlier gradient's parts first (also a dead worker's), so the
+    sum stays the in-order sum. The apply is already counted: a failure here is logged, not
+    raised (the taker reads the parts not folded in yet), and a retried call folds nothing
+    twice."""
     call = Call("apply_grad (folding)", "fold", [acc._keys.state, acc._keys.grads],
                 [acc._schema, blob, _chunks.FOLD_PARTS])  # fmt: skip
     try:

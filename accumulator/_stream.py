@@ -131,6 +131,10 @@ class ClaimReader:
                     for s in self.sources
                     if isinstance(s, bytes) or key_of(s, j) is not None
                 ]
+                if not parts:  # only gradients being folded, whose sum is gone: never claimed
+                    raise AccumulatorError(
+                        f"claim {self._claim_key} holds no gradient for bytes {start}-{stop}"
+                    )
                 consume(start, stop, parts)
 
     def payloads(self, into: memoryview | None = None) -> Ops[list[Any]]:

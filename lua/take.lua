@@ -183,7 +183,7 @@ if not queued and count >= n then
     return folded == 0 and len % (8 + dims * isz) == 0
   end
   local entries = redis.call('LRANGE', grads, '0', '-1')
-  local total, bad, held, unchecked = 0, {}, 0, {}
+  local total, bad, held, unchecked, lens = 0, {}, 0, {}, {}
   for i, entry in ipairs(entries) do
     local keys, why = entry_keys(base, entry)
     local len
@@ -204,10 +204,27 @@ if not queued and count >= n then
     if why then
       bad[#bad + 1] = {i, why, entry, keys}
     else
-      total, held = total + len, held + entry_weight(entry)
+      total, held, lens[i] = total + len, held + entry_weight(entry), len
     end
   end
   if #unchecked > 0 then return {2, unchecked, 0} end  -- nothing claimed: check, call again
+  -- a gradient being folded has its first parts in the running sum only: a lost sum takes
+  -- them along (read without them, it would be counted whole and summed in part)
+  local lost_sum = false
+  for _, b in ipairs(bad) do
+    if string.sub(b[3], 1, 1) == 's' then lost_sum = true end
+  end
+  if lost_sum then
+    for i, entry in ipairs(entries) do
+      if string.sub(entry, 1, 1) == 'f' then
+        if lens[i] then  -- not found bad already
+          bad[#bad + 1] = {i, 'parts 0-' .. (entry_first_part(entry) - 1) .. ' in the lost sum',
+            entry, entry_keys(base, entry)}
+          total, held = total - lens[i], held - 1
+        end
+      end
+    end
+  end
   if #bad == 0 then validated = entries end
   if #bad > 0 then
     for _, b in ipairs(bad) do

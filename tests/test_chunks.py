@@ -301,6 +301,38 @@ def test_a_retried_apply_of_parts_is_counted_once(real, monkeypatch):
     np.testing.assert_array_equal(acc.take_grad(1), np.ones(shape))
 
 
+@pytest.mark.parametrize("taken_between", [False, True])
+def test_a_retried_apply_leaves_no_part_nothing_holds(real, monkeypatch, taken_between):
+    """The reply of a counted apply of parts is lost: the retry's SET NX writes again the parts
+    that are gone since (added into the sum kept in Redis, or taken with the round): the
+    apply deletes them (they stayed an hour, up to 8 MiB each)."""
+    shape = (CHUNK // 2,)  # 2 parts
+    acc, chief = make(real, shape=shape), make(real, shape=shape)
+    if acc.spreads_parts:
+        pytest.skip("parts spread over slots are written before the script, which alone is "
+                    "retried")
+    assert acc.apply_grad(np.full(shape, 2.0), local_step=0)  # the sum, on the module path
+    original = type(acc)._batch
+    calls = {"n": 0}
+
+    def lose_first_reply(self, request):
+        result = original(self, request)
+        calls["n"] += 1
+        if calls["n"] == 1:
+            if taken_between:
+                np.testing.assert_array_equal(chief.take_grad(2), np.full(shape, 1.5))
+            raise redis.ConnectionError("reply lost")
+        return result
+
+    monkeypatch.setattr(type(acc), "_batch", lose_first_reply)
+    assert acc.apply_grad(np.ones(shape), local_step=0)
+    monkeypatch.setattr(type(acc), "_batch", original)
+    r = real.redis()
+    held = {k for e in r.lrange(acc._keys.grads, 0, -1) for k in entry_key_names(e)}
+    assert calls["n"] >= 2 and set(payload_sizes(r, acc)) == held
+    assert acc.num_accumulated() == (0 if taken_between else 2)
+
+
 @pytest.mark.parametrize("damage", ["missing", "short", "long"])
 def test_a_damaged_part_quarantines_its_gradient(target, damage, caplog):
     shape = (CHUNK // 2,)  # 2 parts of float32

@@ -180,13 +180,12 @@ def test_a_round_taken_before_its_folds_ended_is_read_whole(module_url, mod, mon
     monkeypatch.setattr(_apply, "fold", lambda acc, blob: iter(stopped.append(blob) or ()))
     for g in grads:
         assert acc.apply_grad(g, local_step=0)
-    for blob in stopped:
-        for _ in range(folds):
-            left = _scripts.call(acc.redis, "fold", [acc._keys.state, acc._keys.grads],
-                                 [SCHEMA_VERSION, blob, 3])  # fmt: skip
-            assert left > 0
+    for _ in range(folds):  # the last one's fold folds the first one's parts first
+        left = _scripts.call(acc.redis, "fold", [acc._keys.state, acc._keys.grads],
+                             [SCHEMA_VERSION, stopped[-1], 3])  # fmt: skip
+        assert left == _chunks.n_parts(FOLD_SIZE * 4) - _chunks.FOLD_PARTS
     k = _chunks.FOLD_PARTS + 3 * folds
-    assert _entries(mod, acc) == [b"s1", b"f%d" % k, b"f%d" % k]
+    assert _entries(mod, acc) == [b"s1", b"f%d" % k, b"f%d" % _chunks.FOLD_PARTS]
     want = np.empty(FOLD_SIZE, np.float32)
     _reduce.reduce_into(want, grads, "MEAN")
     np.testing.assert_array_equal(acc.take_grad(3), want)
@@ -195,6 +194,77 @@ def test_a_round_taken_before_its_folds_ended_is_read_whole(module_url, mod, mon
     # a fold of a gradient whose round was taken meanwhile does nothing
     assert _scripts.call(acc.redis, "fold", [acc._keys.state, acc._keys.grads],
                          [SCHEMA_VERSION, stopped[0], 1]) == 0  # fmt: skip
+
+
+def _cancelling(size: int) -> list[np.ndarray]:
+    # float32: (1e8 + 1) - 1e8 is 0 in this order, (1e8 - 1e8) + 1 is 1 in another
+    return [np.full(size, v, np.float32) for v in (1e8, 1.0, -1e8)]
+
+
+@pytest.mark.parametrize("dead", [False, True])
+def test_folds_go_in_apply_order(module_url, mod, monkeypatch, dead):
+    """A later gradient's fold never overtakes an earlier one's: it folds the earlier one's
+    parts first, also those of a worker that died before its folds. The sum is then the
+    in-order sum bit for bit (floats do not associate)."""
+    acc = make(module_url, shape=(FOLD_SIZE,), reduction_type="SUM")
+    grads = _cancelling(FOLD_SIZE)
+    real_fold, stopped = _apply.fold, []
+    monkeypatch.setattr(_apply, "fold", lambda acc, blob: iter(stopped.append(blob) or ()))
+    assert acc.apply_grad(grads[0], local_step=0)  # the sum
+    assert acc.apply_grad(grads[1], local_step=0)  # stopped before its folds (dead, or slow)
+    if dead:  # the third applies and folds: its fold folds the second one's parts first
+        monkeypatch.setattr(_apply, "fold", real_fold)
+        assert acc.apply_grad(grads[2], local_step=0)
+    else:  # the third folds before the second gets to
+        assert acc.apply_grad(grads[2], local_step=0)
+        assert _entries(mod, acc) == [b"s1", b"f8", b"f8"]
+        while _scripts.call(acc.redis, "fold", [acc._keys.state, acc._keys.grads],
+                            [SCHEMA_VERSION, stopped[-1], 3]):  # fmt: skip
+            pass
+        assert _scripts.call(acc.redis, "fold", [acc._keys.state, acc._keys.grads],
+                             [SCHEMA_VERSION, stopped[0], 3]) == 0  # fmt: skip
+    assert _entries(mod, acc) == [b"s3"]
+    want = np.empty(FOLD_SIZE, np.float32)
+    _reduce.reduce_into(want, grads, "SUM")
+    assert not want.any()
+    np.testing.assert_array_equal(acc.take_grad(3), want)
+
+
+def test_a_fold_that_cannot_go_on_stops_and_folds_nothing_after_it(module_url, mod, monkeypatch):
+    """A part of an earlier gradient being folded is gone (evicted): the folds stop there
+    (a later one would overtake it) and say so with 0, so the caller's loop ends."""
+    acc = make(module_url, shape=(FOLD_SIZE,), reduction_type="SUM")
+    stopped: list[str] = []
+    monkeypatch.setattr(_apply, "fold", lambda acc, blob: iter(stopped.append(blob) or ()))
+    for g in _grads(3):
+        assert acc.apply_grad(g, local_step=0)
+    mod.delete(entry_key_names(mod.lindex(acc._keys.grads, 1))[0])  # the next part to fold
+    before = mod.lrange(acc._keys.grads, 0, -1)
+    assert _scripts.call(acc.redis, "fold", [acc._keys.state, acc._keys.grads],
+                         [SCHEMA_VERSION, stopped[-1], 3]) == 0  # fmt: skip
+    assert mod.lrange(acc._keys.grads, 0, -1) == before
+
+
+def test_a_lost_sum_takes_the_gradients_being_folded_into_it_along(module_url, mod, monkeypatch,
+                                                                   caplog):  # fmt: skip
+    """The round's running sum loses a part (evicted): the take quarantines it, and with it
+    every gradient being folded into it (their first parts were in it only). The others
+    are taken; the accumulator is not stuck."""
+    acc = make(module_url, shape=(FOLD_SIZE,), reduction_type="SUM")
+    monkeypatch.setattr(_apply, "fold", lambda acc, blob: iter(()))
+    grads = _grads(2)
+    for g in grads:
+        assert acc.apply_grad(g, local_step=0)
+    mod.delete(entry_key_names(mod.lindex(acc._keys.grads, 0))[3])
+    with (caplog.at_level(logging.WARNING, logger="accumulator"),
+          pytest.raises(accumulator.DeadlineExceededError)):
+        acc.take_grad(1, timeout=0.2)
+    assert "quarantined 2 corrupt" in caplog.text
+    assert acc.num_accumulated() == 0 and mod.llen(acc._keys.quarantine) == 2
+    assert b"in the lost sum" in mod.lindex(acc._keys.quarantine, 1)
+    assert not [k for k in mod.scan_iter(match=acc._keys.pattern) if b":b:" in k]
+    assert acc.apply_grad(grads[0], local_step=1)
+    np.testing.assert_array_equal(acc.take_grad(1), grads[0])
 
 
 def test_a_round_given_back_mid_fold_is_taken_whole_again(module_url, mod, monkeypatch):
