@@ -252,7 +252,7 @@ def scalar_int(value: Any, what: str) -> int:
             ) from None
         if arr.ndim != 0:
             raise InvalidArgumentError(
-                f"{what} must be a scalar, but received shape: {format_shape(arr.shape)}"
+                f"Argument {what} must be scalar, but had bad shape {format_shape(arr.shape)}"
             )
         if arr.dtype.kind not in "iu":
             raise InvalidArgumentError(f"{what} must be an integer, got {_short(value)}")

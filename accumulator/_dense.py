@@ -36,11 +36,24 @@ def checked_dense(grad: Any, dtype: np.dtype, shape: Shape) -> np.ndarray:
     it already is one. The checks run on the metadata first: the cast copies, and a
     wrong-shaped broadcast view (np.broadcast_to(1.0, (2**31, 4))) must not be
     materialized."""
+    return _to_wire(_declared(grad, dtype, shape), dtype)
+
+
+def _declared(grad: Any, dtype: np.dtype, shape: Shape) -> np.ndarray:
+    """``grad`` as an array, checked against the declared dtype (castable) and shape: what
+    TF's Python layer checks, stale or not."""
     arr = as_array(grad, dtype)
     if not shape_compatible(shape, arr.shape):
         raise InvalidArgumentError(
             f"Shape mismatch: expected {format_shape(shape)}, got {format_shape(arr.shape)}"
         )
+    return arr
+
+
+def _to_wire(arr: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """The wire array of a gradient checked by :func:`_declared`: refused when too large for
+    one payload, or when its values do not fit the dtype (our checks: a stale gradient is
+    dropped instead, as TF drops it before any check of its own)."""
     check_payload_size(wire_nbytes(arr, dtype), MAX_PAYLOAD_BYTES)
     return to_wire(arr, dtype)
 
@@ -53,7 +66,13 @@ class DenseOps(AccumulatorModel):
 
     def _apply_grad_ops(self, grad: Any, local_step: Any) -> Ops[bool]:
         step = scalar_int(local_step, "local_step")
-        arr = self._checked(grad)
+        arr = _declared(grad, self.dtype, self.shape)
+        try:
+            arr = _to_wire(arr, self.dtype)
+        except InvalidArgumentError:
+            if step < (yield from self._step_ops()):  # stale: dropped, whatever its values
+                return False
+            raise
         return (yield from self._apply_wire_ops(arr, step))
 
     def _apply_wire_ops(self, arr: np.ndarray, step: int) -> Ops[bool]:

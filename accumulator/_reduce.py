@@ -421,6 +421,19 @@ def coalesce(indices: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.nd
     return uniq, out
 
 
+@cache
+def _later_is_second(dtype: np.dtype) -> bool:
+    """Whether numpy's ``a + b`` of two NaNs gives ``a``'s (float32, float64, complex64 on
+    x86), so that the later gradient's must come first; float16 and others give ``b``'s."""
+    if np.dtype(dtype).kind in "iub":
+        return False  # no NaN
+    a = np.array([np.nan]).astype(dtype)
+    b = -a  # the same NaN with the other sign
+    with np.errstate(invalid="ignore"):
+        first = np.signbit(np.real(a + b).astype(np.float64))[0]
+    return bool(first == np.signbit(np.real(a).astype(np.float64))[0])
+
+
 def sparse_merge(
     grads: Sequence[tuple[np.ndarray, np.ndarray]],
     inner_shape: tuple[int, ...],
@@ -485,11 +498,13 @@ def sparse_merge(
             out[pos[first]] = vals[first]
             later = ~first
             lpos = pos[later]
+            acc, new = out[lpos], vals[later]
             if flush:
-                summed = _flush(out[lpos], dtype) + _flush(vals[later], dtype)
-                out[lpos] = _flush(summed, dtype)
-            else:
-                out[lpos] = out[lpos] + vals[later]
+                acc, new = _flush(acc, dtype), _flush(new, dtype)
+            # TF adds the gradient to the row (grad + accum): of two NaNs the gradient's
+            # comes out, sign and payload; numpy keeps one or the other by dtype
+            summed = new + acc if _later_is_second(dtype) else acc + new
+            out[lpos] = _flush(summed, dtype) if flush else summed
         counts[pos] += 1
 
     if reduction == "MEAN":

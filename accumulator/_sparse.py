@@ -19,7 +19,6 @@ from ._codec import (
     as_array,
     check_payload_size,
     format_shape,
-    normalize_shape,
     parse_shape_token,
     scalar_int,
     shape_token,
@@ -63,35 +62,40 @@ class SparseOps(AccumulatorModel):
 
     # -- apply --------------------------------------------------------------------------------
 
-    def _apply_grad_ops(
-        self, grad_indices: Any, grad_values: Any, grad_shape: Any, local_step: Any
-    ) -> Ops[bool]:
-        step = scalar_int(local_step, "local_step")
-        try:
-            indices, values = self._validate(grad_indices, grad_values, grad_shape)
-        except InvalidArgumentError:
-            if step < (yield from self._step_ops()):  # stale input is dropped before any validation
-                return False
-            raise
-        inner = values.shape[1:]
-        first_error = self._first_error(values)
+    def _payload(self, indices: np.ndarray, values: np.ndarray, first_error: str) -> np.ndarray:
+        """The wire payload of a validated gradient: its coalesced indices, then its values."""
         if first_error:
             # Values that do not fit the declared dims can never join a round: the first
             # gradient of a round is refused with first_error, and any later one differs from
             # the round's values shape (which fits the declared dims). The script still
             # decides atomically between stale and refused, so it gets the shape alone: the
             # values are never copied.
-            payload = np.empty(0, dtype=np.uint8)
-        else:
-            check_payload_size(
-                indices.size * _INDEX_DTYPE.itemsize + wire_nbytes(values, self.dtype),
-                MAX_PAYLOAD_BYTES,
-            )
-            wire = to_wire(values, self.dtype, "gradient values")
-            indices, values = _reduce.coalesce(indices, wire)
-            payload = np.empty(indices.nbytes + values.nbytes, dtype=np.uint8)
-            payload[: indices.nbytes] = indices.astype(_INDEX_DTYPE, copy=False).view(np.uint8)
-            payload[indices.nbytes :] = np.ascontiguousarray(values).reshape(-1).view(np.uint8)
+            return np.empty(0, dtype=np.uint8)
+        check_payload_size(
+            indices.size * _INDEX_DTYPE.itemsize + wire_nbytes(values, self.dtype),
+            MAX_PAYLOAD_BYTES,
+        )
+        wire = to_wire(values, self.dtype, "gradient values")
+        indices, values = _reduce.coalesce(indices, wire)
+        payload = np.empty(indices.nbytes + values.nbytes, dtype=np.uint8)
+        payload[: indices.nbytes] = indices.astype(_INDEX_DTYPE, copy=False).view(np.uint8)
+        payload[indices.nbytes :] = np.ascontiguousarray(values).reshape(-1).view(np.uint8)
+        return payload
+
+    def _apply_grad_ops(
+        self, grad_indices: Any, grad_values: Any, grad_shape: Any, local_step: Any
+    ) -> Ops[bool]:
+        step = scalar_int(local_step, "local_step")
+        try:
+            indices, values = self._validate(grad_indices, grad_values, grad_shape)
+            inner = values.shape[1:]
+            first_error = self._first_error(values)
+            payload = self._payload(indices, values, first_error)
+        except InvalidArgumentError:
+            # stale input is dropped before any validation (ours too: size, values' range)
+            if step < (yield from self._step_ops()):
+                return False
+            raise
         code, detail = yield from apply(self, payload, shape_token(inner), step, first_error)
         if code == -1:
             raise InvalidArgumentError(_round_mismatch(parse_shape_token(detail), values))
@@ -313,7 +317,10 @@ class SparseConditionalAccumulator(AccumulatorBase, SparseOps):
 
 
 def _grad_shape(grad_shape: Any) -> tuple[int, ...]:
-    """The given dense shape as a tuple (``-1`` for an unknown dim); TensorShape too."""
+    """The given dense shape as a tuple (``-1`` for an unknown dim); TensorShape too.
+
+    As TF, its values are read flat and not judged themselves: only the declared dims are
+    compared with them (``[-5, 2]`` fits a declared ``[None, 2]``, extra dims are ignored)."""
     if hasattr(grad_shape, "rank") and hasattr(grad_shape, "as_list"):  # tf.TensorShape
         if grad_shape.rank is None:
             raise InvalidArgumentError("grad_shape must have a known rank")
@@ -322,14 +329,13 @@ def _grad_shape(grad_shape: Any) -> tuple[int, ...]:
         arr = np.asarray(grad_shape)
     except Exception as exc:  # noqa: BLE001 - ragged lists, objects whose __array__ fails
         raise InvalidArgumentError(f"Invalid grad_shape: {exc}") from exc
-    if arr.ndim > 1 or (arr.size and arr.dtype.kind not in "iu"):
+    if arr.size and arr.dtype.kind not in "iu":
         raise InvalidArgumentError(
-            f"grad_shape must be a vector of integers, got {format_shape(arr.shape)} "
-            f"{arr.dtype} values"
+            f"grad_shape must hold integers, got {format_shape(arr.shape)} {arr.dtype} values"
         )
-    shape = normalize_shape(arr.reshape(-1).astype(np.int64).tolist())
-    assert shape is not None
-    return tuple(-1 if d is None else d for d in shape)
+    if arr.dtype == np.uint64 and arr.size and arr.max() > np.iinfo(np.int64).max:
+        raise InvalidArgumentError("grad_shape must hold int64 values")
+    return tuple(int(d) for d in arr.reshape(-1).astype(np.int64))
 
 
 def _round_mismatch(round_inner: tuple[int, ...], values: np.ndarray) -> str:

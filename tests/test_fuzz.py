@@ -474,7 +474,6 @@ BAD_SPARSE = {
     "grad_shape ragged": ([0, 1], V2, [[10], [2, 3]], "grad_shape"),
     "grad_shape floats": ([0, 1], V2, [10.0, 2.0], "grad_shape"),
     "grad_shape text": ([0, 1], V2, "ab", "grad_shape"),
-    "grad_shape matrix": ([0, 1], V2, [[10, 2]], "grad_shape"),
 }  # fmt: skip
 
 

@@ -337,7 +337,9 @@ def test_non_scalar_local_step(target, step):
 def test_non_scalar_num_required(target, n):
     d = dense(target)
     raw_ops.AccumulatorApplyGradient(d, 0, [1.0, 1.0])
-    unchanged(d, lambda: raw_ops.AccumulatorTakeGradient(d, n, np.float32))
+    err = unchanged(d, lambda: raw_ops.AccumulatorTakeGradient(d, n, np.float32))
+    shape = "[" + ",".join(str(x) for x in np.shape(n)) + "]"
+    assert str(err) == f"Argument num_required must be scalar, but had bad shape {shape}"  # TF's
     unchanged(d, lambda: raw_ops.ResourceAccumulatorTakeGradient(d, n, np.float32))
     s = sparse(target)
     raw_ops.SparseAccumulatorApplyGradient(s, 0, [0], [[1.0, 2.0]], [4, 2], True)

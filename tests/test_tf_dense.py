@@ -546,6 +546,19 @@ def test_stale_dropped_before_validation(target):
     assert state(acc) == (1, 5)
 
 
+def test_stale_values_out_of_range_are_dropped_not_refused(target):
+    acc = make(target, shape=[2])
+    acc.set_global_step(3)
+    huge = np.full(2, 1e40)
+    assert acc.apply_grad(huge, local_step=0) is False
+    assert state(acc) == (0, 3)
+    err = rejected(acc, lambda: acc.apply_grad(huge, local_step=3))
+    assert "would become inf" in str(err)
+    # the declared shape is checked stale or not, as TF's Python layer checks it
+    with pytest.raises(InvalidArgumentError, match="Shape mismatch"):
+        acc.apply_grad(np.ones(3), local_step=0)
+
+
 def test_set_global_step_downwards_warns_and_never_clears(target, caplog):
     acc = make(target, reduction_type="MEAN")
     acc.set_global_step(5)

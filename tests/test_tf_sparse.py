@@ -877,6 +877,42 @@ def test_stale_round_mismatch_is_dropped_silently(target):
     assert_taken(acc.take_grad(1), [0], f32((1, 2)), [4, 2])
 
 
+def test_stale_values_out_of_range_are_dropped_not_refused(target):
+    """Our own checks (a value a cast would make inf, the payload limit) come after the stale
+    check too: TF drops a stale gradient whatever it holds."""
+    acc = make(target, shape=[4, 2])
+    acc.set_global_step(3)
+    huge = np.full((1, 2), 1e40)
+    assert acc.apply_grad([0], huge, local_step=0) is False
+    assert state(acc) == (0, 3)
+    err = rejected(acc, lambda: acc.apply_grad([0], huge, local_step=3))
+    assert "would become inf" in str(err)
+
+
+@pytest.mark.parametrize(("declared", "grad_shape"), [
+    ([None, 2], [-5, 2]),  # an unknown declared dim is not compared
+    ([4, 2], [4, 2, -3]),  # extra dims are ignored, whatever they hold
+    ([], [-7]),
+    ([4, 2], [[4, 2]]),  # read flat, as TF reads a tensor
+])  # fmt: skip
+def test_grad_shape_is_compared_where_declared_only(target, declared, grad_shape):
+    acc = make(target, shape=declared)
+    values = f32((1, 2)) if declared else f32((1,))
+    assert acc.apply_grad([0], values, grad_shape=grad_shape)
+    assert acc.num_accumulated() == 1
+
+
+@pytest.mark.parametrize("dtype", TF_FLOATS)
+def test_of_two_nans_in_a_row_the_later_gradients_comes_out(target, dtype):
+    """TF adds a gradient to the row (grad + accum): of two NaNs, the later one's sign and
+    payload come out, as TF 2.21 gives them (checked side by side)."""
+    acc = make(target, dtype=dtype, shape=[4, 1], reduction_type="SUM")
+    nan = np.full((1, 1), np.nan, dtype)
+    acc.apply_grad([1], nan)
+    acc.apply_grad([1], -nan)
+    assert np.signbit(acc.take_grad(2)[1][0, 0])
+
+
 # -- returned shape ----------------------------------------------------------------------------
 
 
