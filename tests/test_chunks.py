@@ -278,12 +278,10 @@ def test_a_1_mib_gradient_is_stored_as_one_value(target):
     np.testing.assert_array_equal(acc.take_grad(2), np.full(shape, 3.0, np.float32))
 
 
-def test_a_retried_apply_of_parts_is_counted_once(real, monkeypatch):
-    """The reply of the apply pipeline is lost once: the retry re-sends the parts (SET NX)
-    and the script recognises the apply."""
-    shape = (CHUNK // 2,)  # 2 parts
-    acc = make(real, shape=shape)
-    # the fault at the batch driver, whatever carries the batch (a pipeline, a direct one)
+def _lose_first_batch_reply(monkeypatch, acc, meanwhile=None) -> dict[str, int]:
+    """The reply of ``acc``'s next batch is lost (after ``meanwhile()``, if given): the fault
+    at the batch driver, whatever carries the batch (a pipeline, a direct one). Returns the
+    count of batches sent."""
     original = type(acc)._batch
     calls = {"n": 0}
 
@@ -291,12 +289,23 @@ def test_a_retried_apply_of_parts_is_counted_once(real, monkeypatch):
         result = original(self, request)
         calls["n"] += 1
         if calls["n"] == 1:
+            if meanwhile is not None:
+                meanwhile()
             raise redis.ConnectionError("reply lost")
         return result
 
     monkeypatch.setattr(type(acc), "_batch", lose_first_reply)
+    return calls
+
+
+def test_a_retried_apply_of_parts_is_counted_once(real, monkeypatch):
+    """The reply of the apply pipeline is lost once: the retry re-sends the parts (SET NX)
+    and the script recognises the apply."""
+    shape = (CHUNK // 2,)  # 2 parts
+    acc = make(real, shape=shape)
+    calls = _lose_first_batch_reply(monkeypatch, acc)
     assert acc.apply_grad(np.ones(shape), local_step=0)
-    monkeypatch.setattr(type(acc), "_batch", original)
+    monkeypatch.undo()
     assert calls["n"] >= 2 and acc.num_accumulated() == 1
     np.testing.assert_array_equal(acc.take_grad(1), np.ones(shape))
 
@@ -312,21 +321,13 @@ def test_a_retried_apply_leaves_no_part_nothing_holds(real, monkeypatch, taken_b
         pytest.skip("parts spread over slots are written before the script, which alone is "
                     "retried")
     assert acc.apply_grad(np.full(shape, 2.0), local_step=0)  # the sum, on the module path
-    original = type(acc)._batch
-    calls = {"n": 0}
 
-    def lose_first_reply(self, request):
-        result = original(self, request)
-        calls["n"] += 1
-        if calls["n"] == 1:
-            if taken_between:
-                np.testing.assert_array_equal(chief.take_grad(2), np.full(shape, 1.5))
-            raise redis.ConnectionError("reply lost")
-        return result
+    def take() -> None:
+        np.testing.assert_array_equal(chief.take_grad(2), np.full(shape, 1.5))
 
-    monkeypatch.setattr(type(acc), "_batch", lose_first_reply)
+    calls = _lose_first_batch_reply(monkeypatch, acc, take if taken_between else None)
     assert acc.apply_grad(np.ones(shape), local_step=0)
-    monkeypatch.setattr(type(acc), "_batch", original)
+    monkeypatch.undo()
     r = real.redis()
     held = {k for e in r.lrange(acc._keys.grads, 0, -1) for k in entry_key_names(e)}
     assert calls["n"] >= 2 and set(payload_sizes(r, acc)) == held
