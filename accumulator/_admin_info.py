@@ -11,7 +11,7 @@ from typing import Any
 
 import msgpack
 
-from ._codec import Definition, format_shape, parse_shape_token
+from ._codec import Definition, format_shape, parse_shape_token, reply_text
 from ._model import TAKER_LEASE_SECONDS
 
 _LEASE_MS = int(TAKER_LEASE_SECONDS * 1000)
@@ -128,12 +128,6 @@ class Info:
         return out
 
 
-def _text(value: bytes | str | None) -> str:
-    if value is None:
-        return ""
-    return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
-
-
 def _int(value: bytes | str | int | None, default: int | None = 0) -> int | None:
     if value is None:
         return default
@@ -195,7 +189,7 @@ def _info(
         dtype=dtype,
         shape=shape,
         reduction=reduction,
-        schema=_text(state.get(b"schema")),
+        schema=reply_text(state.get(b"schema")),
         step=_int(state.get(b"step")) or 0,
         count=_int(state.get(b"count")) or 0,
         round_shape=parse_shape_token(rshape) if rshape is not None else None,
@@ -230,13 +224,13 @@ def _takers(
 ) -> tuple[Taker, ...]:
     out: list[Taker] = []
     for position, (member, _score) in enumerate(ranked, start=1):
-        parts = _text(info.get(member)).split()
+        parts = reply_text(info.get(member)).split()
         n = expiry = joined = None
         if len(parts) == 3 and all(p.isdigit() for p in parts):
             n, expiry, joined = (int(p) for p in parts)
         out.append(
             Taker(
-                taker_id=_text(member),
+                taker_id=reply_text(member),
                 position=position,
                 num_required=n,
                 joined_ms=joined,
@@ -260,7 +254,7 @@ def live_takers(queued: list[bytes], leases: Mapping[bytes, bytes], now: int | N
         return len(queued)
     live = 0
     for member in queued:
-        parts = _text(leases.get(member)).split()
+        parts = reply_text(leases.get(member)).split()
         live += not (len(parts) == 3 and parts[1].isdigit() and int(parts[1]) <= now)
     return live
 

@@ -18,9 +18,9 @@ import msgpack
 import redis
 
 from . import _fusion, _scripts
-from ._admin_info import _int, _server_ms, _text, live_takers, queue_time
+from ._admin_info import _int, _server_ms, live_takers, queue_time
 from ._admin_ops import delete
-from ._codec import resolve_dtype
+from ._codec import reply_text, resolve_dtype
 from ._errors import InvalidArgumentError, NotFoundError
 from ._keys import DEFAULT_PREFIX, SYNC_PREFIX, Keys, SyncKeys, is_done_mark
 
@@ -51,7 +51,7 @@ def parse_worker_counters(counters: Mapping[bytes, bytes]) -> list[JobWorker]:
     hash, sorted by worker id."""
     workers: dict[str, dict[str, int]] = {}
     for key, value in counters.items():
-        parts = _text(key).split(":")
+        parts = reply_text(key).split(":")
         if parts[0] != "w" or len(parts) < 3:
             continue
         what = parts[-1]
@@ -170,7 +170,7 @@ def _chief(raw: Mapping[bytes, bytes], now: int | None) -> ChiefLease | None:
         return None
     expires = _int(raw.get(b"expires_ms"), None)
     return ChiefLease(
-        chief_id=_text(raw.get(b"id")), host=_text(raw.get(b"host")),
+        chief_id=reply_text(raw.get(b"id")), host=reply_text(raw.get(b"host")),
         pid=_int(raw.get(b"pid"), None), since_ms=_int(raw.get(b"since_ms"), None),
         renewed_ms=_int(raw.get(b"renewed_ms"), None), expires_ms=expires,
         remaining_ms=None if now is None or expires is None else expires - now,
@@ -225,7 +225,7 @@ def describe_job(
     chief = _chief(lease, now)
     published = _int(step, None)
     info = JobInfo(
-        container=container, job=job, published=meta is not None, run=_text(run) or None,
+        container=container, job=job, published=meta is not None, run=reply_text(run) or None,
         step=published, done=done == b"1", replicas=replicas, reduction=reduction,
         pushes=_int(counters.get(b"pushes")) or 0, partial=_int(counters.get(b"partial")) or 0,
         stale=_int(counters.get(b"stale")) or 0,
@@ -354,7 +354,7 @@ class _AdminLease:
         """Take or renew the lease; None, or who holds it (a live chief: not taken)."""
         reply = _scripts.call(self._r, "sync_lease", [self._key], ["acquire", *self._args])
         if int(reply[0]) != 1:
-            return (f"{_text(reply[1])!r} on host {_text(reply[2]) or '?'}, "
+            return (f"{reply_text(reply[1])!r} on host {reply_text(reply[2]) or '?'}, "
                     f"pid {_int(reply[3]) or '?'}")
         if not self.held and len(reply) > 1 and reply[1]:
             self.previous = 1

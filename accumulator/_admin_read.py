@@ -19,10 +19,10 @@ from ._admin_info import (
     _int,
     _server_ms,
     _takers,
-    _text,
     live_takers,
     queue_time,
 )
+from ._codec import reply_text
 from ._connection import atomically
 from ._errors import NotFoundError
 from ._keys import DEFAULT_PREFIX, Keys, parse_state_key, state_pattern
@@ -60,7 +60,7 @@ def _unreadable(
     notes = []
     for key, wanted in wrong:
         try:
-            held = _text(r.type(key))
+            held = reply_text(r.type(key))
         except redis.RedisError:
             held = "?"
         notes.append(f"{key} holds a {_TYPE_NAMES.get(held, held)} where a {wanted} belongs")
@@ -208,14 +208,14 @@ def _left_claims(
         if not content:  # read and deleted since the SCAN
             continue
         referenced.update(refs)
-        header = _text(content[0]).split(" ")
+        header = reply_text(content[0]).split(" ")
         inline = sum(len(e) - 1 for e in content[1:] if e[:1] == b"i")
         taker = key[len(claim_head) :]
         expiry = _int(registry.get(taker), None)
         claims.append(
             LeftClaim(
-                key=_text(key),
-                taker_id=_text(taker),
+                key=reply_text(key),
+                taker_id=reply_text(taker),
                 step=_int(header[0], None),
                 count=sum(keys.entry_weight(e) for e in content[1:]),
                 bytes=inline + sum(sizes.get(b, 0) for b in refs),

@@ -262,6 +262,14 @@ def scalar_int(value: Any, what: str) -> int:
     return out
 
 
+def reply_text(value: Any) -> str:
+    """A Redis reply (or a field of one) as text: ``""`` for None, bytes decoded as UTF-8
+    (bytes that are not, from a foreign writer, replaced), anything else ``str()``."""
+    if value is None:
+        return ""
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+
+
 def _short(value: Any, limit: int = 80) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -18,7 +18,14 @@ from typing import Any
 import numpy as np
 
 from . import _module, _retry, _scripts
-from ._codec import Definition, format_shape, normalize_shape, resolve_dtype, scalar_int
+from ._codec import (
+    Definition,
+    format_shape,
+    normalize_shape,
+    reply_text,
+    resolve_dtype,
+    scalar_int,
+)
 from ._connection import WAIT_SLICE
 from ._durability import Durability, durability_of
 from ._errors import (
@@ -305,8 +312,8 @@ class AccumulatorModel:
         self._schema = int(schema)
         # this accumulator, not one created again under its name after a delete: every call
         # of this object carries it (check_inst in lua/_common.lua; _recreated here)
-        self._instance = _text(inst[0]) if inst else ""
-        self._sum_dtype = _text(summed)
+        self._instance = reply_text(inst[0]) if inst else ""
+        self._sum_dtype = reply_text(summed)
         if self._want_sum is not None and self._want_sum != bool(self._sum_dtype):
             logger.warning(
                 "accumulator %r exists and sums %s: sum_in_redis=%s applies only when an "
@@ -375,7 +382,7 @@ class AccumulatorModel:
         """Whether ``stored``, the state's instance id, is not the one this object opened: the
         accumulator was deleted and created again since (the twin of ``check_inst`` in
         ``lua/_common.lua``; an object of an accumulator without an id checks nothing)."""
-        return bool(self._instance) and _text(stored) != self._instance
+        return bool(self._instance) and reply_text(stored) != self._instance
 
     def _count_ops(self) -> Ops[int]:
         return int((yield from self._read_state_ops("count"))[0] or 0)
@@ -394,10 +401,6 @@ class AccumulatorModel:
                 "current_global_step_ = %d >= %d = new_global_step.",
                 old, new,
             )  # fmt: skip
-
-
-def _text(value: bytes | str | None) -> str:
-    return value.decode() if isinstance(value, bytes) else (value or "")
 
 
 def _load_scripts() -> Ops[None]:

@@ -18,7 +18,7 @@ import numpy as np
 from redis.exceptions import NoScriptError, ResponseError
 
 from .. import _admin, _chunks, _fusion, _retry, _scripts
-from .._codec import scalar_int
+from .._codec import reply_text, scalar_int
 from .._connection import Client, require_transactions
 from .._errors import (
     CancelledError,
@@ -31,7 +31,7 @@ from .._requests import Call
 from .._routing import is_cluster
 from .._stream import write_parts
 from .._together import call_step, run_together
-from ._job import TrainingFinished, _Job, _text, accumulator_name
+from ._job import TrainingFinished, _Job, accumulator_name
 from ._lease import CHIEF_LEASE_SECONDS, _ChiefLease, chief_key
 from ._params import Update, apply_update, learning_rates, specs_for, zero_grad
 from ._published import (
@@ -337,7 +337,7 @@ class ParameterServer(_Job):
                 return 0
             pipe = self.redis.pipeline(transaction=False)
             for taker in takers:
-                pipe.exists(keys.claim(_text(taker)))
+                pipe.exists(keys.claim(reply_text(taker)))
             return sum(int(x) for x in pipe.execute())
 
         return self._io("reading claimed rounds", read)

@@ -141,12 +141,6 @@ def _int(value: bytes | None, default: int = 0) -> int:
     return default if value is None else int(value)
 
 
-def _text(value: Any) -> str:
-    if value is None:
-        return ""
-    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
-
-
 _J = TypeVar("_J", bound="_Job")
 _T = TypeVar("_T")
 

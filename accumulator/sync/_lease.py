@@ -14,9 +14,9 @@ from typing import Any
 import redis
 
 from .. import _admin, _retry, _scripts
+from .._codec import reply_text
 from .._errors import AccumulatorError
 from .._keys import SyncKeys
-from ._job import _text
 
 logger = logging.getLogger("accumulator.sync")
 
@@ -106,7 +106,7 @@ class _ChiefLease:
         return keys, args
 
     def _conflict(self, reply: list[Any]) -> ChiefConflictError:
-        holder, host, pid = _text(reply[1]), _text(reply[2]), _text(reply[3])
+        holder, host, pid = reply_text(reply[1]), reply_text(reply[2]), reply_text(reply[3])
         left, age = int(reply[4]) / 1000, int(reply[5]) / 1000
         return ChiefConflictError(
             f"sync job {self.job!r} already has a chief: {holder!r} (host {host!r}, pid "
@@ -134,7 +134,7 @@ class _ChiefLease:
             if left <= 0:
                 raise conflict
             time.sleep(min(left, 1.0, max(0.05, conflict.expires_in or 0.0)))
-        previous = _text(reply[1])
+        previous = reply_text(reply[1])
         if previous:
             logger.warning(
                 "sync job %r: chief %r takes over from chief %r, whose lease ran out (gone?)",
@@ -181,7 +181,7 @@ class _ChiefLease:
                 logger.debug("sync job %r: renewing the chief lease failed: %s", self.job, exc)
                 continue
             if int(reply[0]) != 1:
-                if _text(reply[1]):
+                if reply_text(reply[1]):
                     self.lost = f"this chief lost its lease: {self._conflict(reply)}"
                 else:
                     self.lost = (
