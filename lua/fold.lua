@@ -48,7 +48,7 @@ local k, n, fblob = string.match(entries[at], '^f(%d+) (%d+) (.+)$')
 k, n = tonumber(k), tonumber(n)
 local skeys = string.sub(sum, 1, 1) == 's' and entry_keys(base, sum)
 local own = entry_keys(base, entries[at])
-if not skeys or #skeys ~= n or not own or not is_own(base, fblob, 'b') then return 0 end
+if not skeys or #skeys ~= n or not own then return 0 end  -- (own: nil for a foreign blob)
 if at ~= mine then
   err = check_acl({'ACC.ADD', fblob, 'UNLINK', fblob, 'STRLEN', fblob})
   if err then return err end

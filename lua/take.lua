@@ -208,20 +208,15 @@ if not queued and count >= n then
     end
   end
   if #unchecked > 0 then return {2, unchecked, 0} end  -- nothing claimed: check, call again
-  -- a gradient being folded has its first parts in the running sum only: a lost sum takes
-  -- them along (read without them, it would be counted whole and summed in part)
-  local lost_sum = false
-  for _, b in ipairs(bad) do
-    if string.sub(b[3], 1, 1) == 's' then lost_sum = true end
-  end
-  if lost_sum then
+  -- a gradient being folded has its first parts in the running sum (the round's first entry)
+  -- only: a lost sum takes them along (read without them, it would be counted whole and
+  -- summed in part)
+  if string.sub(entries[1] or '', 1, 1) == 's' and not lens[1] then
     for i, entry in ipairs(entries) do
-      if string.sub(entry, 1, 1) == 'f' then
-        if lens[i] then  -- not found bad already
-          bad[#bad + 1] = {i, 'parts 0-' .. (entry_first_part(entry) - 1) .. ' in the lost sum',
-            entry, entry_keys(base, entry)}
-          total, held = total - lens[i], held - 1
-        end
+      if string.sub(entry, 1, 1) == 'f' and lens[i] then  -- (not found bad already)
+        bad[#bad + 1] = {i, 'parts 0-' .. (entry_first_part(entry) - 1) .. ' in the lost sum',
+          entry, entry_keys(base, entry)}
+        total, held = total - lens[i], held - 1
       end
     end
   end
