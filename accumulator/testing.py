@@ -76,6 +76,11 @@ _INSTALL_HINT = (
 # How often to try a fresh port when another process grabs the one we picked.
 _PORT_ATTEMPTS = 5
 _LOG_TAIL_LINES = 30
+#: Prefix of a server's temporary directory; its file _OWNER_FILE holds "<our pid> <server pid>".
+_DIR_PREFIX = "accumulator-redis-"
+_OWNER_FILE = "owner.pid"
+#: Whether this process looked for directories of servers whose owners died (once).
+_swept = False
 
 
 def find_server_binary() -> str | None:
@@ -203,6 +208,44 @@ def _death_signal() -> list[str]:
     return [setpriv, "--pdeathsig", "TERM"] if setpriv else []
 
 
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs; a zombie (exited, not reaped: a container's PID 1 may
+    never reap) does not."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc (macOS)
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except OSError:  # another user's process (EPERM)
+            return True
+        return True
+    return "\nState:\tZ" not in status
+
+
+def _sweep_dead_dirs() -> None:
+    """Remove the directories of servers started by processes that died without running
+    their exit hooks (SIGTERM from a CI runner or ``timeout``, SIGKILL, ``os._exit``): their
+    servers are gone too (``setpriv --pdeathsig``), nobody else removes them. Once per
+    process, at its first start; a directory whose owner or server still runs, or without
+    an owner file (an older version's, or one being created), is left alone."""
+    global _swept
+    if _swept:
+        return
+    _swept = True
+    for path in Path(tempfile.gettempdir()).glob(_DIR_PREFIX + "*"):
+        try:
+            pids = [int(p) for p in (path / _OWNER_FILE).read_text().split()]
+        except (OSError, ValueError):
+            continue
+        if pids and not any(_alive(pid) for pid in pids):
+            log.debug("removing %s (its process and server are gone)", path)
+            shutil.rmtree(path, ignore_errors=True)
+
+
 def _server_env() -> dict[str, str]:
     """The environment of a redis-server started here: ours, with jemalloc's settings
     (:data:`SERVER_MALLOC_CONF`) where it has none."""
@@ -221,7 +264,8 @@ class RedisServer:
     manager, or call ``start()``/``stop()``. Servers still running when the interpreter
     exits are stopped by an atexit hook; on Linux (util-linux's ``setpriv``), a server
     started from the main thread is also stopped when its process dies without running
-    exit hooks (killed by a signal, ``os._exit``).
+    exit hooks (killed by a signal, ``os._exit``), and its directory is removed by the next
+    process that starts a server here.
 
     ``persistent=False`` (the default): no RDB, no AOF, and every start gets a fresh data
     directory, so ``restart()`` and ``kill()`` + ``start()`` come back empty.
@@ -478,9 +522,10 @@ class RedisServer:
 
     def _spawn(self, binary: str) -> None:
         port = self.port
+        _sweep_dead_dirs()
         if not (self._persistent and self._dir is not None and self._dir.is_dir()):
             self._cleanup_dir()  # left over from a kill()
-            self._dir = Path(tempfile.mkdtemp(prefix=f"accumulator-redis-{port}-"))
+            self._dir = Path(tempfile.mkdtemp(prefix=f"{_DIR_PREFIX}{port}-"))
         assert self._dir is not None
         if self._persistent:
             persistence = ["--appendonly", "yes", "--appendfsync", "always"]
@@ -509,6 +554,7 @@ class RedisServer:
                 env=_server_env(),
             )
         try:
+            (self._dir / _OWNER_FILE).write_text(f"{os.getpid()} {self._proc.pid}\n")
             self._wait_ready(self._proc, port)
         except BaseException:
             # Never leave a half-started process behind (also on KeyboardInterrupt).

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import signal
@@ -335,6 +336,64 @@ def test_server_stops_when_its_process_is_killed(binary: str) -> None:
         if _pid_alive(pid):
             os.kill(pid, signal.SIGKILL)
         shutil.rmtree(workdir, ignore_errors=True)  # nobody ran stop(): its directory stays
+
+
+@pytest.mark.real
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs util-linux's setpriv")
+def test_the_next_process_removes_a_killed_ones_directory(binary: str) -> None:
+    # the interpreter killed (no exit hooks) leaves its server's directory; the next process
+    # that starts a server removes it
+    code = textwrap.dedent(
+        f"""
+        import os, signal, sys
+        from accumulator.testing import RedisServer
+        srv = RedisServer({binary!r}).start()
+        print(srv.workdir, flush=True)
+        if sys.argv[1] == "kill":
+            os.kill(os.getpid(), signal.SIGTERM)
+        srv.stop()
+        """
+    )
+    run = functools.partial(subprocess.run, capture_output=True, text=True, timeout=60)
+    killed = run([sys.executable, "-c", code, "kill"])
+    workdir = Path(killed.stdout.split()[0])
+    try:
+        deadline = time.monotonic() + 5
+        while (workdir / "owner.pid").exists() and time.monotonic() < deadline:
+            pids = [int(p) for p in (workdir / "owner.pid").read_text().split()]
+            if not any(_pid_alive(p) for p in pids):
+                break
+            time.sleep(0.05)
+        assert workdir.is_dir()  # nobody ran stop()
+        assert run([sys.executable, "-c", code, "stop"]).returncode == 0
+        assert not workdir.exists()
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def test_only_dead_owners_directories_are_swept(tmp_path: Path, monkeypatch) -> None:
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a pid nobody has (for the moment)
+    dirs = {name: tmp_path / f"accumulator-redis-1-{name}" for name in
+            ("dead", "owner_alive", "server_alive", "no_owner_file", "garbage", "other")}
+    for path in dirs.values():
+        path.mkdir()
+    (dirs["dead"] / "owner.pid").write_text(f"{gone.pid} {gone.pid}\n")
+    (dirs["owner_alive"] / "owner.pid").write_text(f"{os.getpid()} {gone.pid}\n")
+    (dirs["server_alive"] / "owner.pid").write_text(f"{gone.pid} {os.getpid()}\n")
+    (dirs["garbage"] / "owner.pid").write_text("not a pid\n")
+    other = tmp_path / "something-else"
+    other.mkdir()
+    (other / "owner.pid").write_text(f"{gone.pid} {gone.pid}\n")
+    monkeypatch.setattr(testing.tempfile, "gettempdir", lambda: str(tmp_path))
+    monkeypatch.setattr(testing, "_swept", False)
+    testing._sweep_dead_dirs()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [other.name] + [p.name for name, p in dirs.items() if name != "dead"]
+    )
+    (dirs["owner_alive"] / "owner.pid").write_text(f"{gone.pid} {gone.pid}\n")
+    testing._sweep_dead_dirs()  # once per process
+    assert dirs["owner_alive"].exists()
 
 
 def test_only_the_main_thread_starts_servers_with_a_death_signal() -> None:
