@@ -313,8 +313,9 @@ def _claim_lost(acc: AccumulatorModel) -> Ops[AccumulatorError]:
 
 def _taken_over_message(acc: AccumulatorModel) -> str:
     return (
-        f"take_grad on {acc._shared_name!r} read its round after its claim lease ran "
-        "out, and another taker took the round over; this take returns nothing"
+        f"take_grad on {acc._shared_name!r} lost the round it was reading: its claim lease "
+        "ran out and another taker took the round over, or an operator evicted this taker "
+        "(`accumulator evict`); this take returns nothing"
     )
 
 

@@ -185,3 +185,29 @@ def test_show_lists_a_dead_takers_claim_with_its_lease(real):
     assert "5-dead" in text and "the next take gets it" in text
     (claim,) = accumulator._admin.describe(real.redis(), "r").claims
     assert claim.lease_remaining_ms is not None and claim.lease_remaining_ms <= 0
+
+
+def test_a_live_taker_evicted_while_it_reads_says_so(target, monkeypatch):
+    """An operator evicts a taker that is alive after all, while it reads its round: the
+    round is given back for the next take, and the evicted take raises, naming eviction as
+    one of the two ways it can lose its round (it said only "lease ran out")."""
+    acc = make(target, shape=(64, 1024))
+    acc.apply_grad(np.ones((64, 1024)))
+    r = target.redis()
+    real_reduce = acc._reduce_claim
+    outcomes = []
+
+    def evicted_meanwhile(claim, out=None):
+        (key,) = r.scan_iter(match=acc._keys.claim("*"))
+        taker = key.decode().rsplit(":c:", 1)[1]
+        outcomes.append(accumulator._admin.evict(r, "r", taker))
+        return real_reduce(claim, out)
+
+    monkeypatch.setattr(acc, "_reduce_claim", evicted_meanwhile)
+    with pytest.raises(accumulator.AccumulatorError, match="evicted this taker") as err:
+        acc.take_grad(1, timeout=5)
+    assert "lease ran out" in str(err.value)
+    assert outcomes == ["given back"]
+    monkeypatch.undo()
+    assert (acc.global_step(), acc.num_accumulated()) == (0, 1)
+    np.testing.assert_array_equal(acc.take_grad(1, timeout=5), np.ones((64, 1024)))
