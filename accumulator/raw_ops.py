@@ -100,11 +100,20 @@ def _handle(handle: Any, kind: type[_A]) -> _A:
     return handle
 
 
-def _check_dtype(handle: AccumulatorBase, dtype: Any) -> None:
+#: TF's names of the dtypes whose numpy names differ (``DataTypeString``).
+_TF_NAMES = {"float16": "half", "float32": "float", "float64": "double"}
+
+
+def _check_dtype(handle: AccumulatorBase, dtype: Any, signature: str) -> None:
+    """TF's check of a take op's ``dtype`` against the accumulator's, in its words: the op's
+    signature ``signature`` (``{}`` for the dtype) as given ("have") and as the accumulator
+    needs it ("expected")."""
     wanted = resolve_dtype(dtype)
     if wanted != handle.dtype:
+        have, expected = (_TF_NAMES.get(d.name, d.name) for d in (wanted, handle.dtype))
         raise InvalidArgumentError(
-            f"Signature mismatch, have: {handle.dtype.name}, expected: {wanted.name}"
+            f"Signature mismatch, have: {signature.format(have)} expected: "
+            f"{signature.format(expected)}"
         )
 
 
@@ -173,12 +182,28 @@ def AccumulatorTakeGradient(  # noqa: N802
 ) -> np.ndarray:
     """TF's ``AccumulatorTakeGradient``: :meth:`ConditionalAccumulator.take_grad`, after
     checking ``dtype`` against the accumulator's (TF's "Signature mismatch" otherwise)."""
+    return _take_dense(handle, num_required, dtype, timeout, "string_ref, int32->{}")
+
+
+def ResourceAccumulatorTakeGradient(  # noqa: N802
+    handle: Any,
+    num_required: Any,
+    dtype: Any,
+    name: str | None = None,
+    *,
+    timeout: float | None = None,
+) -> np.ndarray:
+    """TF's ``ResourceAccumulatorTakeGradient``: :func:`AccumulatorTakeGradient` (TF's op
+    of a resource handle; its "Signature mismatch" names a ``resource`` input)."""
+    return _take_dense(handle, num_required, dtype, timeout, "resource, int32->{}")
+
+
+def _take_dense(
+    handle: Any, num_required: Any, dtype: Any, timeout: float | None, signature: str
+) -> np.ndarray:
     acc = _handle(handle, _Dense)
-    _check_dtype(acc, dtype)
+    _check_dtype(acc, dtype, signature)
     return acc.take_grad(scalar_int(num_required, "num_required"), timeout=timeout)
-
-
-ResourceAccumulatorTakeGradient = AccumulatorTakeGradient
 
 
 def SparseAccumulatorTakeGradient(  # noqa: N802
@@ -192,5 +217,5 @@ def SparseAccumulatorTakeGradient(  # noqa: N802
     """TF's ``SparseAccumulatorTakeGradient``: :meth:`SparseConditionalAccumulator.take_grad`
     (``(indices, values, shape)``), after checking ``dtype`` against the accumulator's."""
     acc = _handle(handle, _Sparse)
-    _check_dtype(acc, dtype)
+    _check_dtype(acc, dtype, "string_ref, int32->int64, {}, int64")
     return acc.take_grad(scalar_int(num_required, "num_required"), timeout=timeout)

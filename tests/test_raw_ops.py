@@ -279,18 +279,24 @@ def test_sparse_validation_through_raw_op(target):
 # -- dtype mismatch: "Signature mismatch" ----------------------------------------------------
 
 
-@pytest.mark.parametrize("wrong", [np.float64, "float16", np.int32, "bfloat16"])
-def test_take_with_another_dtype_is_a_signature_mismatch(target, wrong):
+@pytest.mark.parametrize(("wrong", "tf_name"), [
+    (np.float64, "double"), ("float16", "half"), (np.int32, "int32"), ("bfloat16", "bfloat16"),
+])  # fmt: skip
+def test_take_with_another_dtype_is_a_signature_mismatch(target, wrong, tf_name):
+    """TF's text (TF 2.21): "have" is the op's dtype, "expected" the accumulator's."""
     d = dense(target)
     raw_ops.AccumulatorApplyGradient(d, 0, [1.0, 2.0])
     err = unchanged(d, lambda: raw_ops.AccumulatorTakeGradient(d, 1, wrong))
-    assert str(err).startswith("Signature mismatch")
+    assert str(err) == (f"Signature mismatch, have: string_ref, int32->{tf_name} "
+                        "expected: string_ref, int32->float")  # fmt: skip
     err = unchanged(d, lambda: raw_ops.ResourceAccumulatorTakeGradient(d, 1, wrong))
-    assert str(err).startswith("Signature mismatch")
+    assert str(err) == (f"Signature mismatch, have: resource, int32->{tf_name} "
+                        "expected: resource, int32->float")  # fmt: skip
     s = sparse(target)
     raw_ops.SparseAccumulatorApplyGradient(s, 0, [1], [[1.0, 2.0]], [4, 2], True)
     err = unchanged(s, lambda: raw_ops.SparseAccumulatorTakeGradient(s, 1, wrong))
-    assert str(err).startswith("Signature mismatch")
+    assert str(err) == (f"Signature mismatch, have: string_ref, int32->int64, {tf_name}, int64 "
+                        "expected: string_ref, int32->int64, float, int64")  # fmt: skip
     # nothing consumed: the right dtype still takes the gradient
     assert_bits(raw_ops.AccumulatorTakeGradient(d, 1, np.float32),
                 np.array([1.0, 2.0], np.float32))  # fmt: skip
