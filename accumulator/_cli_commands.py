@@ -40,9 +40,14 @@ def _ls(ctx: Context, args: argparse.Namespace) -> int:
             }
         )
     else:
-        with_container = ctx.container is None and any(i.container for i in infos)
-        ctx.write("\n".join(render_ls(infos, server, with_container)))
+        ctx.write("\n".join(render_ls(infos, server, _with_container(ctx, infos))))
     return EXIT_OK
+
+
+def _with_container(ctx: Context, infos: list[_admin.Info]) -> bool:
+    """Whether a listing needs a CONTAINER column: all containers listed, and some other
+    than the default."""
+    return ctx.container is None and any(i.container for i in infos)
 
 
 @command("show", "everything about one accumulator", arg("name", help="its shared_name"))
@@ -112,10 +117,10 @@ def _watch(ctx: Context, args: argparse.Namespace) -> int:
                 f"{time.strftime('%H:%M:%S')}" + ("  (Ctrl-C to quit)" if tty else "")
             )
             if args.name is None:
-                rows = rates.update(_admin.list_accumulators(r, ctx.container),
-                                    int(time.time() * 1000))  # fmt: skip
+                infos = _admin.list_accumulators(r, ctx.container)
+                rows = rates.update(infos, int(time.time() * 1000))
                 document: Any = {"accumulators": rows}
-                lines = [header, "", *render_overview(rows)]
+                lines = [header, "", *render_overview(rows, _with_container(ctx, infos))]
             else:
                 info = _admin.describe(r, args.name, ctx.scope)
                 document = info.to_dict()

@@ -78,18 +78,24 @@ def _rate(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
 
 
-def render_overview(rows: list[dict[str, Any]]) -> list[str]:
-    """The table of :meth:`Rates.update`'s rows (names escaped)."""
+def render_overview(rows: list[dict[str, Any]], with_container: bool) -> list[str]:
+    """The table of :meth:`Rates.update`'s rows (names escaped), with a CONTAINER column
+    as ``ls`` has (a name may hold ``/`` itself: ``c/n`` would be ambiguous)."""
     if not rows:
         return ["no accumulators"]
     headers = ["NAME", "STEP", "PENDING", "BYTES", "TAKERS", "APPLIES/S", "TAKES/S", "RECENT"]
+    right = [1, 2, 3, 4, 5, 6]
+    if with_container:
+        headers.insert(0, "CONTAINER")
+        right = [c + 1 for c in right]
     body = [
         [
-            (r["container"] + "/" if r["container"] else "") + r["shared_name"],
+            *([r["container"] or '""'] if with_container else []),
+            r["shared_name"],
             str(r["step"]), str(r["pending"]), fmt_bytes(r["pending_bytes"]),
             str(r["takers_waiting"]), _rate(r["applies_per_s"]), _rate(r["takes_per_s"]),
             sparkline(r["recent_applies_per_s"]),
         ]
         for r in rows
     ]  # fmt: skip
-    return [*table(headers, body, [1, 2, 3, 4, 5, 6]), "", plural(len(rows), "accumulator")]
+    return [*table(headers, body, right), "", plural(len(rows), "accumulator")]

@@ -268,6 +268,22 @@ def test_watch_without_a_name_shows_every_accumulator_with_its_rates(
     assert "APPLIES/S" in text and "RECENT" in text and "\x1b" not in text
 
 
+def test_watch_without_a_name_tells_containers_apart(
+    real: Target, make: Callable[..., Any]
+) -> None:
+    """``c/x`` read as container c, name x, and as name c/x in the default container: a
+    CONTAINER column, as ``ls`` has."""
+    make("job7/x")
+    make("x", container="job7")
+    lines = ok(cli("watch", "-n", "1", "--url", real.url)).splitlines()
+    table = lines[lines.index("") + 1:]
+    assert table[0].split()[:2] == ["CONTAINER", "NAME"]
+    assert sorted(line.split()[:2] for line in table[1:3]) == [['""', "job7/x"], ["job7", "x"]]
+    lines = ok(cli("--container", "job7", "watch", "-n", "1", "--url", real.url)).splitlines()
+    table = lines[lines.index("") + 1:]
+    assert table[0].split()[0] == "NAME" and table[1].split()[0] == "x"
+
+
 def test_sparklines_scale_to_the_largest_value() -> None:
     from accumulator._cli_watch import sparkline
 
@@ -611,6 +627,7 @@ def test_names_are_escaped_in_every_command(
             (["ls", *c], 0, name),
             (["show", EVIL_NAME, *c], 0, "t\\x1b[31m"),  # and the taker id
             (["watch", EVIL_NAME, "-n", "1", *c], 0, name),
+            (["watch", "-n", "1"], 0, container),  # every container's: a CONTAINER column
             (["set-step", EVIL_NAME, "3", "--yes", *c], 0, container),  # live: --yes
             (["job", EVIL_NAME, *c], 1, name),  # no such job: the error
             (["reset", EVIL_NAME, "--yes", *c], 0, name),
