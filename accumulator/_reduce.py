@@ -160,6 +160,50 @@ def _flush(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
     return x
 
 
+def _quiet() -> np.errstate:
+    """numpy's floating-point warnings off: a sum past the dtype's range is inf, a NaN or an
+    inf - inf is NaN, as TF's, silently (numpy warns of "overflow" and "invalid value")."""
+    return np.errstate(over="ignore", invalid="ignore")
+
+
+def _floats(x: np.ndarray) -> np.ndarray:
+    """A complex array as its real and imaginary parts side by side (a view): complex
+    addition is theirs, each on its own."""
+    if x.dtype.kind != "c":
+        return x
+    if not x.flags.c_contiguous:
+        x = np.ascontiguousarray(x)  # (an input: ``out`` always is)
+    return x.reshape(x.shape or (1,)).view(x.real.dtype)  # (a 0-d array: one element)
+
+
+def _add(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """``out = a + b`` elementwise in ``out``'s dtype (``out`` may be ``a``), where of two
+    NaNs ``a``'s comes out (quieted): what x86's add does with its first operand, and so what
+    TF's kernels give (checked against TF 2.21: the dense accumulator's ``accum + grad``
+    keeps the earlier gradients' NaN, the sparse one's ``grad + accum`` the later one's).
+    numpy keeps one or the other by dtype, and for float32/float64 by position (its SIMD
+    body keeps the first operand's, its scalar tail the second's). A NaN in ``b`` is rare:
+    one ``minimum`` pass over it decides, and only then are ``a``'s NaNs looked for.
+    Callers run it under :func:`_quiet` (TF warns of no NaN, inf or overflow)."""
+    kind = out.dtype.kind
+    if kind in "iub" or b.size == 0:
+        np.add(a, b, out=out)
+        return out
+    fa, fb, fo = (_floats(a), _floats(b), _floats(out)) if kind == "c" else (a, b, out)
+    least = np.minimum.reduce(fb, axis=None)  # NaN when b holds one
+    if least == least:
+        np.add(fa, fb, out=fo)
+        return out
+    nan = np.isnan(fa)
+    kept = fa[nan]  # a copy: out may be a
+    np.add(fa, fb, out=fo)
+    if kept.size:
+        # a's NaN as an add with no other NaN gives it: quieted (bfloat16: ml_dtypes' NaN of
+        # a's sign), as where b holds none
+        fo[nan] = np.add(kept, np.zeros_like(kept))
+    return out
+
+
 #: 2**nmant per flush-to-zero dtype (see _float_into).
 _NMANT_POW = {dt: 2.0 ** np.finfo(dt).nmant for dt in _FTZ_DTYPES}
 
@@ -206,8 +250,7 @@ def _float_into(
     """
     divisor = dtype.type(len(flat) if count is None else count)
     ftz = _ftz(dtype)
-    # a sum past the dtype's range is inf, as TF's: no numpy warning
-    with np.errstate(over="ignore"):
+    with _quiet():
         for start in range(0, max(out.size, 1), _BLOCK):
             part = slice(start, start + _BLOCK)
             acc, first = out[part], flat[0][part]
@@ -216,10 +259,10 @@ def _float_into(
             flush = ftz and _any_small([g[part] for g in flat], dtype)
             for g in flat[1:]:
                 if flush:  # denormals-are-zero on both operands, flush-to-zero on the result
-                    np.add(_flush(acc, dtype), _flush(g[part], dtype), out=acc)
+                    _add(_flush(acc, dtype), _flush(g[part], dtype), out=acc)
                     _flush(acc, dtype)
                 else:
-                    np.add(acc, g[part], out=acc)
+                    _add(acc, g[part], out=acc)
             if mean:
                 np.true_divide(_flush(acc, dtype) if flush else acc, divisor, out=acc)
                 # One input with no small value (|x| >= tiny * 2**(nmant+1) or 0) divided by at
@@ -254,8 +297,9 @@ def reduce_into(
         _float_into(out, grads, dtype, mean, count)
         return
     out[...] = grads[0]
-    for g in grads[1:]:
-        np.add(out, g, out=out)
+    with _quiet():
+        for g in grads[1:]:
+            _add(out, g, out=out)
     if mean:
         divisor = len(grads) if count is None else count
         out[...] = _divide(out, _as_counts(out, divisor), dtype, inplace=True)
@@ -281,7 +325,8 @@ def dense_sum(grads: Sequence[np.ndarray], dtype: np.dtype) -> np.ndarray:
             raise ValueError(f"gradient {i} has shape {g.shape}, expected {acc.shape}")
         # out= keeps the result in dtype and avoids pairwise/reduction code paths; integer
         # array arithmetic wraps silently in numpy, which is the C behaviour we want.
-        np.add(acc, g, out=acc)
+        with _quiet():
+            _add(acc, g, out=acc)
     return acc
 
 
@@ -421,19 +466,6 @@ def coalesce(indices: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.nd
     return uniq, out
 
 
-@cache
-def _later_is_second(dtype: np.dtype) -> bool:
-    """Whether numpy's ``a + b`` of two NaNs gives ``a``'s (float32, float64, complex64 on
-    x86), so that the later gradient's must come first; float16 and others give ``b``'s."""
-    if np.dtype(dtype).kind in "iub":
-        return False  # no NaN
-    a = np.array([np.nan]).astype(dtype)
-    b = -a  # the same NaN with the other sign
-    with np.errstate(invalid="ignore"):
-        first = np.signbit(np.real(a + b).astype(np.float64))[0]
-    return bool(first == np.signbit(np.real(a).astype(np.float64))[0])
-
-
 def sparse_merge(
     grads: Sequence[tuple[np.ndarray, np.ndarray]],
     inner_shape: tuple[int, ...],
@@ -502,8 +534,9 @@ def sparse_merge(
             if flush:
                 acc, new = _flush(acc, dtype), _flush(new, dtype)
             # TF adds the gradient to the row (grad + accum): of two NaNs the gradient's
-            # comes out, sign and payload; numpy keeps one or the other by dtype
-            summed = new + acc if _later_is_second(dtype) else acc + new
+            # comes out, sign and payload
+            with _quiet():
+                summed = _add(new, acc, out=np.empty_like(acc))
             out[lpos] = _flush(summed, dtype) if flush else summed
         counts[pos] += 1
 

@@ -58,6 +58,16 @@ def expected_mean(acc: np.ndarray, n: int, dtype: np.dtype) -> np.ndarray:
     return (acc / np.array(n).astype(dtype)).astype(dtype)
 
 
+def nan_bits(dtype: Any, sign: int, payload: int) -> np.generic:
+    """A quiet NaN of a float dtype with this sign and payload (told apart by its bits)."""
+    dtype = np.dtype(dtype)
+    bits = 8 * dtype.itemsize
+    mant = {16: 10, 32: 23, 64: 52}[bits] if dtype.kind == "f" else 7  # bfloat16: 7
+    exp_quiet = ((1 << (bits - 1 - mant)) - 1) << mant | 1 << (mant - 1)
+    raw = np.array(sign << (bits - 1) | exp_quiet | payload, f"u{dtype.itemsize}")
+    return raw.view(dtype)[()]
+
+
 def state(acc: AccumulatorBase) -> tuple[int, int]:
     return acc.num_accumulated(), acc.global_step()
 

@@ -708,3 +708,65 @@ def test_a_sum_past_the_range_is_inf_as_tfs_without_a_numpy_warning(reduction):
         _reduce.reduce_into(out, [big, big], reduction)
     assert np.isposinf(out[0]) and np.isneginf(out[1])
     assert out[2] == (2.0 if reduction == "SUM" else 1.0)
+
+
+# --------------------------------------------------------------------------- NaN + NaN
+
+
+def _nan_rule_ref(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Element by element, as x86's add of (a, b): a NaN in ``a`` comes out, else one in
+    ``b``, as an add with one NaN operand gives it (quieted; ml_dtypes' bfloat16 returns its
+    NaN of that sign), else the sum as numpy rounds it."""
+    fa, fb = (x.view(x.real.dtype) if x.dtype.kind == "c" else x for x in (a, b))
+    out = np.empty_like(fa)
+    zero = np.zeros(1, fa.dtype)
+    for i in range(fa.size):
+        x, y = fa[i : i + 1], fb[i : i + 1]
+        if np.isnan(x[0]):
+            out[i : i + 1] = np.add(x, zero)
+        elif np.isnan(y[0]):
+            out[i : i + 1] = np.add(zero, y)
+        else:
+            with np.errstate(over="ignore"):
+                out[i : i + 1] = np.add(x, y)
+    return out.view(a.dtype)
+
+
+def _nan_mix(rng: np.random.Generator, dtype: np.dtype, n: int) -> np.ndarray:
+    """Values with NaNs of random sign, payload and quietness at random places."""
+    real = dtype if dtype.kind != "c" else np.dtype(f"f{dtype.itemsize // 2}")
+    parts = rng.standard_normal(n * (2 if dtype.kind == "c" else 1)).astype(real)
+    utype = np.dtype(f"u{real.itemsize}")
+    info = ml_dtypes.finfo(real) if real.kind == "V" else np.finfo(real)
+    mant = int(info.nmant)
+    exp_bits = ((1 << (8 * real.itemsize - 1 - mant)) - 1) << mant
+    for i in np.flatnonzero(rng.random(parts.size) < 0.4):
+        payload = int(rng.integers(1, 1 << (mant - 1)))
+        quiet = int(rng.integers(0, 2)) << (mant - 1)
+        sign = int(rng.integers(0, 2)) << (8 * real.itemsize - 1)
+        parts[i : i + 1] = np.array(sign | exp_bits | quiet | payload, utype).view(real)
+    return parts.view(dtype)
+
+
+@pytest.mark.parametrize("n", [*range(1, 40), 1001])
+@pytest.mark.parametrize("dtype", FLOATS + COMPLEX, ids=str)
+def test_of_two_nans_the_first_operands_comes_out_quieted(dtype, n):
+    """``_add`` gives x86's first-operand rule in every position, for every float dtype and
+    both complex parts; numpy gave the first operand's NaN in its SIMD body and the second's
+    in its scalar tail (float32/64), the second's everywhere for float16."""
+    rng = np.random.default_rng(n * 1000 + dtype.num)
+    a, b = _nan_mix(rng, dtype, n), _nan_mix(rng, dtype, n)
+    with np.errstate(invalid="ignore"):  # (signaling NaNs; reduce_into's callers silence it)
+        want = _nan_rule_ref(a, b)
+        assert _bits(_reduce._add(a, b, out=np.empty_like(a))) == _bits(want)
+        inplace = a.copy()
+        _reduce._add(inplace, b, out=inplace)
+        assert _bits(inplace) == _bits(want)
+        assert _bits(_reduce._add(b, a, out=np.empty_like(a))) == _bits(_nan_rule_ref(b, a))
+    # the whole reduction, silently (TF warns of no NaN): the earlier gradients' NaNs first
+    out = np.empty_like(a)
+    reduce_into(out, [a, b, np.ones_like(a)], "SUM")
+    with np.errstate(invalid="ignore", over="ignore"):
+        rest = _nan_rule_ref(_nan_rule_ref(a, b), np.ones_like(a))
+    if dtype.kind == "f" and dtype.itemsize >= 4:  # flushed as TF's (no subnormals drawn)
+        assert _bits(out) == _bits(rest)

@@ -22,7 +22,16 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 import pytest
-from _helpers import Taker, expected_mean, rejected, start_taker, state, wait_until, waiting_takers
+from _helpers import (
+    Taker,
+    expected_mean,
+    nan_bits,
+    rejected,
+    start_taker,
+    state,
+    wait_until,
+    waiting_takers,
+)
 
 import accumulator
 from accumulator import (
@@ -389,6 +398,23 @@ def test_apply_order_matters_bitwise(target):
     for g in grads[::-1]:
         acc.apply_grad(g, local_step=1)
     assert_bits(acc.take_grad(3), backward)
+
+
+@pytest.mark.parametrize("reduction", ["SUM", "MEAN"])
+@pytest.mark.parametrize("n", [1, 17, 1001, 40001])
+@pytest.mark.parametrize("dtype", TF_FLOATS, ids=lambda d: d.name)
+def test_of_two_nans_the_earlier_gradients_comes_out(target, dtype, n, reduction):
+    """TF's dense accumulator adds ``accum + grad``: of two NaNs the sum's (the earlier
+    gradient's) comes out, sign and payload, in every element (TF 2.21, checked side by side:
+    float32 0x7fc00005 from 0x7fc00005, 0xffc00006, 1). numpy kept its first operand's in its
+    SIMD body and the second's in its scalar tail, and the module's -O3 build the later
+    one's everywhere for float64 (40001 elements: a payload in parts, summed in Redis)."""
+    acc = make(target, dtype, shape=(n,), reduction_type=reduction)
+    first, later = (np.full(n, nan_bits(dtype, sign, payload), dtype)
+                    for sign, payload in ((0, 5), (1, 6)))  # fmt: skip
+    for g in (first, later, np.ones(n, dtype)):
+        assert acc.apply_grad(g)
+    assert_bits(acc.take_grad(3), first)
 
 
 def test_negative_zero_survives(target):

@@ -28,7 +28,16 @@ from typing import Any, NamedTuple
 import ml_dtypes
 import numpy as np
 import pytest
-from _helpers import Taker, expected_mean, rejected, start_taker, state, wait_until, waiting_takers
+from _helpers import (
+    Taker,
+    expected_mean,
+    nan_bits,
+    rejected,
+    start_taker,
+    state,
+    wait_until,
+    waiting_takers,
+)
 
 import accumulator
 from accumulator import (
@@ -902,15 +911,19 @@ def test_grad_shape_is_compared_where_declared_only(target, declared, grad_shape
     assert acc.num_accumulated() == 1
 
 
+@pytest.mark.parametrize("width", [1, 17, 1001])
 @pytest.mark.parametrize("dtype", TF_FLOATS)
-def test_of_two_nans_in_a_row_the_later_gradients_comes_out(target, dtype):
+def test_of_two_nans_in_a_row_the_later_gradients_comes_out(target, dtype, width):
     """TF adds a gradient to the row (grad + accum): of two NaNs, the later one's sign and
-    payload come out, as TF 2.21 gives them (checked side by side)."""
-    acc = make(target, dtype=dtype, shape=[4, 1], reduction_type="SUM")
-    nan = np.full((1, 1), np.nan, dtype)
-    acc.apply_grad([1], nan)
-    acc.apply_grad([1], -nan)
-    assert np.signbit(acc.take_grad(2)[1][0, 0])
+    payload come out in every column, as TF 2.21 gives them (checked side by side: float32
+    0xffc00006 from 0x7fc00005 then 0xffc00006). numpy's add keeps its first operand's NaN
+    in its SIMD body and the second's in its scalar tail: rows of 17 and 1001 had both."""
+    acc = make(target, dtype=dtype, shape=[4, width], reduction_type="SUM")
+    first, later = (np.full((1, width), nan_bits(dtype, sign, payload), dtype)
+                    for sign, payload in ((0, 5), (1, 6)))  # fmt: skip
+    acc.apply_grad([1], first)
+    acc.apply_grad([1], later)
+    assert acc.take_grad(2).values.tobytes() == later.tobytes()
 
 
 # -- returned shape ----------------------------------------------------------------------------

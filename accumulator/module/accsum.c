@@ -17,7 +17,7 @@
  * key type, length and dtype is checked before a byte is written, and it never reads or
  * writes outside the two values.
  *
- * Built by accumulator/_module.py (cc -O3 -shared -fPIC: -O3 vectorizes the kernels, 3x -O2); no Redis header is needed: the few
+ * Built by accumulator/_module.py (cc -O3 -shared -fPIC: -O3 vectorizes the f32 kernel, 3x -O2); no Redis header is needed: the few
  * declarations of the module API used here are written below.
  */
 
@@ -87,7 +87,11 @@ static int resolve_api(RedisModuleCtx *ctx) {
 
 /* ---- element kernels ------------------------------------------------------------------ */
 
-/* Every load and store goes through memcpy: Redis strings carry no alignment promise. */
+/* Every load and store goes through memcpy: Redis strings carry no alignment promise.
+ *
+ * NAN_RULE: of two NaNs, the sum's (dst: the earlier gradients') comes out, quieted, as from
+ * TF's accum + grad on x86, whose add keeps its first operand's. C's + leaves the order to
+ * the compiler (gcc -O3 swapped it for f64), so dst's NaN is chosen by its bits. */
 
 static void add_f32(unsigned char *dst, const unsigned char *src, size_t n) {
     for (size_t i = 0; i < n; i++) {
@@ -102,6 +106,7 @@ static void add_f32(unsigned char *dst, const unsigned char *src, size_t n) {
         fr = fa + fb;
         memcpy(&r, &fr, 4);
         if ((r & 0x7f800000u) == 0) r &= 0x80000000u; /* subnormal result: signed zero */
+        if ((a & 0x7fffffffu) > 0x7f800000u) r = a | 0x00400000u; /* see NAN_RULE */
         memcpy(dst + 4 * i, &r, 4);
     }
 }
@@ -120,6 +125,7 @@ static void add_f64(unsigned char *dst, const unsigned char *src, size_t n) {
         fr = fa + fb;
         memcpy(&r, &fr, 8);
         if ((r & exp) == 0) r &= sign;
+        if ((a & ~sign) > exp) r = a | 0x0008000000000000ull; /* see NAN_RULE */
         memcpy(dst + 8 * i, &r, 8);
     }
 }
