@@ -11,9 +11,11 @@ see ``lua/apply.lua``. Without it (managed Redis cannot load modules), the taker
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -37,7 +39,10 @@ _DTYPES = {
     "uint16": "u16", "int32": "i32", "uint32": "u32", "int64": "i64", "uint64": "u64",
 }  # fmt: skip
 
-_FLAGS = ["-O3", "-std=c99", "-fPIC", "-shared", "-Wall", "-Wextra", "-Werror"]
+#: The build's flags. Not -Werror: a warning a newer compiler finds must not turn the
+#: module off for its users (the tests' sanitizer build adds it, and so finds them).
+_FLAGS = ["-O3", "-std=c99", "-fPIC", "-shared", "-Wall", "-Wextra"]
+_SANITIZE = ["-Werror", "-fsanitize=address,undefined", "-g", "-fno-omit-frame-pointer"]
 
 
 def module_dtype(dtype: np.dtype) -> str | None:
@@ -57,12 +62,27 @@ def cache_dir() -> Path:
     return Path(base) / "redis-accumulator"
 
 
-def find_compiler() -> str | None:
-    """A C compiler: ``$CC``, else cc, gcc or clang on the PATH."""
-    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if name and shutil.which(name):
-            return name
+def find_compiler() -> list[str] | None:
+    """A C compiler's command: ``$CC`` (which may hold arguments: ``ccache gcc``), else cc,
+    gcc or clang on the PATH."""
+    for command in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        words = shlex.split(command) if command else []
+        if words and shutil.which(words[0]):
+            return words
     return None
+
+
+@functools.cache
+def _compiler_identity(command: tuple[str, ...]) -> str:
+    """What a build is cached by besides source and flags: the compiler's resolved path and
+    its ``--version`` (another compiler, or the same one upgraded, builds anew)."""
+    path = os.path.realpath(shutil.which(command[0]) or command[0])
+    try:
+        version = subprocess.run([*command, "--version"], capture_output=True, text=True,
+                                 timeout=60, check=False).stdout  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        version = ""
+    return " ".join([path, *command[1:], version])
 
 
 def build(*, sanitize: bool = False, out_dir: Path | None = None) -> Path | None:
@@ -77,8 +97,8 @@ def build(*, sanitize: bool = False, out_dir: Path | None = None) -> Path | None
     head = f"accsum-{hashlib.sha256(src).hexdigest()[:12]}-"
     cc = find_compiler()
     if cc is None:
-        built_before = sorted(where.glob(f"{head}{'?' * 12}{suffix}.so"),
-                              key=lambda p: p.stat().st_mtime)  # fmt: skip
+        built_before = sorted((p for p in where.glob(f"{head}{'?' * 12}{suffix}.so")
+                               if _nonempty(p)), key=lambda p: p.stat().st_mtime)  # fmt: skip
         if built_before:
             logger.info("no C compiler; the module built before: %s", built_before[-1])
             return built_before[-1]
@@ -87,26 +107,38 @@ def build(*, sanitize: bool = False, out_dir: Path | None = None) -> Path | None
             "not built; takes sum on the client instead"
         )
         return None
-    flags = _FLAGS + (["-fsanitize=address,undefined", "-g", "-fno-omit-frame-pointer"]
-                      if sanitize else [])  # fmt: skip
-    digest = hashlib.sha256(src + " ".join([cc, *flags]).encode()).hexdigest()[:12]
+    flags = _FLAGS + (_SANITIZE if sanitize else [])
+    identity = " ".join([_compiler_identity(tuple(cc)), *flags])
+    digest = hashlib.sha256(src + identity.encode()).hexdigest()[:12]
     target = where / f"{head}{digest}{suffix}.so"
-    if target.exists():
+    if _nonempty(target):
         return target
-    where.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=where) as tmp:
-        c_file = Path(tmp) / "accsum.c"
-        c_file.write_bytes(src)
-        built = Path(tmp) / target.name
-        proc = subprocess.run([cc, *flags, "-o", str(built), str(c_file)],
-                              capture_output=True, text=True, check=False)  # fmt: skip
-        if proc.returncode != 0:
-            logger.warning("building the accumulator's Redis module failed (%s): %s", cc,
-                           proc.stderr.strip()[-2000:])  # fmt: skip
-            return None
-        os.replace(built, target)  # atomic: a concurrent build of the same source is fine
+    try:
+        where.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=where) as tmp:
+            c_file = Path(tmp) / "accsum.c"
+            c_file.write_bytes(src)
+            built = Path(tmp) / target.name
+            proc = subprocess.run([*cc, *flags, "-o", str(built), str(c_file)],
+                                  capture_output=True, text=True, check=False)  # fmt: skip
+            if proc.returncode != 0:
+                logger.warning("building the accumulator's Redis module failed (%s): %s",
+                               " ".join(cc), proc.stderr.strip()[-2000:])  # fmt: skip
+                return None
+            os.replace(built, target)  # atomic: a concurrent build of the same source is fine
+    except OSError as exc:  # a cache directory we may not write (read-only, not a directory)
+        logger.warning("the accumulator's Redis module could not be built in %s (%s): takes "
+                       "sum on the client instead", where, exc)  # fmt: skip
+        return None
     logger.info("built the accumulator's Redis module: %s", target)
     return target
+
+
+def _nonempty(path: Path) -> bool:
+    try:
+        return path.stat().st_size > 0
+    except OSError:
+        return False
 
 
 def server_has_module(client: Any) -> bool:

@@ -366,7 +366,7 @@ def _asan_runtime() -> str | None:
     cc = _module.find_compiler()
     if cc is None:
         return None
-    out = subprocess.run([cc, "-print-file-name=libasan.so"], capture_output=True, text=True,
+    out = subprocess.run([*cc, "-print-file-name=libasan.so"], capture_output=True, text=True,
                          check=False).stdout.strip()  # fmt: skip
     return out if out and os.path.isabs(out) and os.path.exists(out) else None
 
@@ -444,6 +444,41 @@ def test_the_build_is_cached_and_needs_only_a_compiler(tmp_path, monkeypatch):
     stale.mkdir()
     (stale / "accsum-000000000000-111111111111.so").write_bytes(b"")
     assert _module.build(out_dir=stale) is None
+
+
+def test_a_cache_that_cannot_be_written_means_no_module_not_an_error(tmp_path, caplog):
+    """(A read-only or misconfigured cache made ``RedisServer(module=None)`` fail to start.)"""
+    if _module.find_compiler() is None:
+        pytest.skip("no C compiler")
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    with caplog.at_level(logging.WARNING, logger="accumulator"):
+        assert _module.build(out_dir=not_a_dir) is None
+    assert "could not be built in" in caplog.text
+
+
+def test_the_build_is_cached_by_the_compilers_identity(tmp_path, monkeypatch):
+    """Another compiler (or the same upgraded: its --version), or ``$CC`` with arguments,
+    builds anew; an empty file under the build's name is built again, not trusted."""
+    if _module.find_compiler() is None:
+        pytest.skip("no C compiler")
+    monkeypatch.delenv("CC", raising=False)
+    plain = _module.build(out_dir=tmp_path)
+    assert plain is not None
+    wrapper = tmp_path / "bin" / "mycc"
+    wrapper.parent.mkdir()
+    real = shutil.which(_module.find_compiler()[0])
+    wrapper.write_text(f'#!/bin/sh\n[ "$1" = --version ] && {{ echo "mycc 99"; exit 0; }}\n'
+                       f'exec {real} "$@"\n')  # fmt: skip
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("CC", str(wrapper))
+    other = _module.build(out_dir=tmp_path)
+    assert other is not None and other != plain
+    monkeypatch.setenv("CC", f"{wrapper} -DACCSUM_TEST=1")  # arguments: honoured, not dropped
+    with_args = _module.build(out_dir=tmp_path)
+    assert with_args is not None and with_args not in (plain, other)
+    with_args.write_bytes(b"")
+    assert _module.build(out_dir=tmp_path) == with_args and with_args.stat().st_size > 0
 
 
 def test_the_cli_builds_the_module_and_prints_its_path(capsys):
