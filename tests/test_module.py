@@ -342,6 +342,36 @@ def test_a_server_that_lost_the_module_refuses_and_changes_nothing():
         np.testing.assert_array_equal(acc.take_grad(1), np.ones(MiB, np.float32))
 
 
+def test_replicas_and_the_aof_need_no_module(tmp_path):
+    """The adds travel to replicas and the AOF as their effect (``SETRANGE`` of the sum's
+    bytes), not as ``ACC.ADD``: a replica without the module had the script's whole
+    transaction refused (EXECABORT: the round's count and sum lost there) while ``WAIT``
+    counted it, and an AOF needed the module to load."""
+    if find_server_binary() is None or _module.find_compiler() is None:
+        pytest.skip("needs redis-server and a C compiler")
+    n = 3 * MiB // 4 + 5  # three parts: summed in Redis
+    with RedisServer(module=True, persistent=True) as primary, \
+            RedisServer(module=False) as replica:  # fmt: skip
+        replica.client().replicaof("127.0.0.1", primary.port)
+        acc = make(primary.url, shape=(n,), reduction_type="SUM", min_replicas=1)
+        assert acc.sums_in_redis
+        for value in (1.0, 2.0, 4.0):
+            assert acc.apply_grad(np.full(n, value, np.float32), local_step=0)
+        p, r = primary.client(), replica.client()
+        keys = sorted(p.scan_iter(match=acc._keys.pattern))
+        assert sorted(r.scan_iter(match=acc._keys.pattern)) == keys
+        assert all(r.dump(k) == p.dump(k) for k in keys)
+        r.replicaof("no", "one")  # a failover to it: the round is whole there
+        on_replica = make(replica.url, shape=(n,), reduction_type="SUM")
+        np.testing.assert_array_equal(on_replica.take_grad(3), np.full(n, 7.0, np.float32))
+        # the primary restarted from its AOF without the module: loaded, the round readable
+        primary.kill()
+        primary._module, primary._module_path = False, None
+        primary.start()
+        after = make(primary.url, shape=(n,), reduction_type="SUM")
+        np.testing.assert_array_equal(after.take_grad(3), np.full(n, 7.0, np.float32))
+
+
 def test_the_worker_role_with_the_module_rules(module_url, mod):
     mod.execute_command(*_acl.setuser_command("worker", "w1", "pw", module=True).split())
     mod.execute_command(*_acl.setuser_command("worker", "w2", "pw").split())

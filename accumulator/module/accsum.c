@@ -4,7 +4,9 @@
  *
  *   ACC.ADD <dst> <src> <dtype>   dst[i] += src[i] for every element; both keys strings of
  *                                 the same length, a whole number of elements. Replies the
- *                                 number of elements added.
+ *                                 number of elements added. Replicated (and written to
+ *                                 the AOF) as its effect, SETRANGE <dst> 0 <its new bytes>:
+ *                                 replicas and an AOF replay need no module.
  *   ACC.PING                      replies "accsum <version>" (the scripts' probe).
  *
  * dtype: f32, f64 (IEEE, round to nearest, with TensorFlow's CPU flush-to-zero: a subnormal
@@ -56,7 +58,7 @@ static int (*RM_WrongArity)(RedisModuleCtx *ctx);
 static int (*RM_ReplyWithError)(RedisModuleCtx *ctx, const char *err);
 static int (*RM_ReplyWithLongLong)(RedisModuleCtx *ctx, long long value);
 static int (*RM_ReplyWithSimpleString)(RedisModuleCtx *ctx, const char *msg);
-static int (*RM_ReplicateVerbatim)(RedisModuleCtx *ctx);
+static int (*RM_Replicate)(RedisModuleCtx *ctx, const char *cmdname, const char *fmt, ...);
 
 /* Redis passes the API lookup function as the first field of the load context. */
 static int resolve_api(RedisModuleCtx *ctx) {
@@ -78,7 +80,7 @@ static int resolve_api(RedisModuleCtx *ctx) {
     NEED(RM_ReplyWithError, "ReplyWithError");
     NEED(RM_ReplyWithLongLong, "ReplyWithLongLong");
     NEED(RM_ReplyWithSimpleString, "ReplyWithSimpleString");
-    NEED(RM_ReplicateVerbatim, "ReplicateVerbatim");
+    NEED(RM_Replicate, "Replicate");
 #undef NEED
     if (get_api("RedisModule_IsModuleNameBusy", (void *)&RM_IsModuleNameBusy) != RM_OK)
         RM_IsModuleNameBusy = NULL; /* older servers */
@@ -224,9 +226,11 @@ static int acc_add(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
         return RM_ReplyWithError(ctx, "ERR ACC.ADD: dst is not writable");
     }
     add(dst, src, dlen / size);
+    /* The effect, not the command: replicas and the AOF get the sum's bytes (SETRANGE keeps
+     * the key's expiry), so neither needs this module. */
+    RM_Replicate(ctx, "SETRANGE", "slb", argv[1], 0LL, (const char *)dst, dlen);
     RM_CloseKey(dkey);
     RM_CloseKey(skey);
-    RM_ReplicateVerbatim(ctx);
     return RM_ReplyWithLongLong(ctx, (long long)(dlen / size));
 }
 
