@@ -358,7 +358,9 @@ def _demo(ctx: Context, args: argparse.Namespace) -> int:
 @command(
     "module",
     "build the accsum Redis module (cached) and print its path: redis-server --loadmodule PATH",
-    arg("action", choices=["build", "path"], help="build: build if needed; path: same"),
+    arg("action", choices=["build", "path"],
+        help="build: build it if this source has no build yet, print its path; path: the "
+             "same (a synonym)"),  # fmt: skip
     offline=True,
 )
 def _module_build(ctx: Context, args: argparse.Namespace) -> int:

@@ -132,8 +132,8 @@ def render_ls(
         footer += f" (and {len(warnings)} unreadable, listed with KIND ?)"
     if server is not None:
         footer += f" · {esc(server['server'])} {esc(server['version'])}"
-        if server.get("used_memory_human"):
-            footer += f" · server memory {esc(server['used_memory_human'])}"
+        if isinstance(server.get("used_memory"), int):
+            footer += f" · server memory {fmt_bytes(server['used_memory'])}"
     return [*lines, "", footer] if infos else [*lines]
 
 

@@ -468,7 +468,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--min-accuracy", type=float, default=0.9,
                         help="exit 1 when the held-out accuracy ends below this")  # fmt: skip
     parser.add_argument("--job", default=DEFAULT_JOB,
-                        help="job name; accumulators are named JOB/W, JOB/b, JOB/emb")  # fmt: skip
+                        help="the sync job (its accumulators' names start with JOB/)")
     parser.add_argument("--container", default="", help="accumulator container (namespace)")
     parser.add_argument("--role", choices=("all", "chief", "worker"), default="all",
                         help="all: chief + spawned workers here; chief or worker: one process "
