@@ -1,6 +1,8 @@
 -- sync_count: count one push of a sync job's worker (accumulator.sync), once: a retry after a
 -- lost reply is recognised by its push id.
--- KEYS[1] stats hash (accsync:{tag}:st)
+-- KEYS[1] stats hash (accsync:{tag}:st)  KEYS[2] the job's published hash (accsync:{tag}:p):
+--         gone (the job deleted), nothing is counted (a straggler's push would bring a key
+--         of the job back, without expiry)
 -- ARGV[1] worker id  ARGV[2] push id (hex)  ARGV[3] its outcome: '' (every tensor accepted)
 --         | 'stale' | 'partial' | 'none' (not a push: it met the end of the job)
 -- Writes 'pushes' (and 'stale' | 'partial') for the job and 'w:<id>:pushes|stale|partial',
@@ -9,16 +11,20 @@
 -- The worker counts a push in the round trip of its applies, before it knows their outcome,
 -- as '' (the common case); a call again with the same push id and another outcome amends the
 -- count (moves it from one outcome's counters to the other's, or out: 'none').
--- Returns 1 when counted, 2 when amended, 0 when this push id was counted so already.
+-- Returns 1 when counted, 2 when amended, 0 when this push id was counted so already, -1
+-- when there is no job.
 -- Every input and permission is checked before the first write.
 local what = ARGV[3]
-if not (string.sub(KEYS[1], -3) == ':st' and type(ARGV[1]) == 'string' and #ARGV[1] > 0
+if not (string.sub(KEYS[1], -3) == ':st' and KEYS[2] == string.sub(KEYS[1], 1, -4) .. ':p'
+    and type(ARGV[1]) == 'string' and #ARGV[1] > 0
     and type(ARGV[2]) == 'string' and string.find(ARGV[2], '^%x+$')
     and (what == '' or what == 'stale' or what == 'partial' or what == 'none')) then
   return acc_error('BADARG sync_count')
 end
-local err = check_acl({'HMGET', KEYS[1], 'HSET', KEYS[1], 'HINCRBY', KEYS[1]})
+local err = check_acl({'HMGET', KEYS[1], 'HSET', KEYS[1], 'HINCRBY', KEYS[1],
+  'EXISTS', KEYS[2]})
 if err then return err end
+if redis.call('EXISTS', KEYS[2]) == 0 then return -1 end
 local p = 'w:' .. ARGV[1] .. ':'
 
 -- the counters a push counted as `outcome` adds to

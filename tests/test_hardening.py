@@ -645,17 +645,21 @@ def test_the_seal_refuses_garbage_before_any_write(target, case):
     acc.close()
 
 
-@pytest.mark.parametrize("case", ["stats key", "outcome", "counter name", "push id", "worker"])
+@pytest.mark.parametrize(
+    "case", ["stats key", "job key", "outcome", "counter name", "push id", "worker"]
+)
 def test_the_push_count_refuses_garbage_before_any_write(target, case):
     """A sync worker's push count (``lua/sync_count.lua``) checks its input before writing: an
     outcome that is not one of its three could otherwise add to any field of the hash."""
     from accumulator._keys import SyncKeys
 
     k = SyncKeys("", "garbage")
-    keys = [k.stats]
+    keys = [k.stats, k.params]
     args = ["w0", "00ff", ""]
     if case == "stats key":
-        keys = [k.params]
+        keys = [k.params, k.params]
+    elif case == "job key":
+        keys = [k.stats, k.stats]
     elif case == "outcome":
         args[2] = "bogus"
     elif case == "counter name":
@@ -666,6 +670,7 @@ def test_the_push_count_refuses_garbage_before_any_write(target, case):
         args[0] = ""
     r = target.redis()
     r.hset(k.stats, mapping={"pushes": 3})
+    r.hset(k.params, mapping={"run": "r"})
     before = snapshot(r)
     with pytest.raises(accumulator.InvalidArgumentError, match="BADARG"):
         _scripts.call(r, "sync_count", keys, args)
@@ -687,6 +692,7 @@ def test_the_push_count_refuses_a_foreign_counter_before_any_write(target, field
 
     k = SyncKeys("", "garbage")
     r = target.redis()
+    r.hset(k.params, mapping={"run": "r"})
     r.hset(k.stats, mapping={"pushes": 1, "stale": 1, "w:w0:pushes": 1, "w:w0:stale": 1,
                              "w:w0:push": "00ff", "w:w0:push_as": "stale"})  # fmt: skip
     r.hset(k.stats, field, "many")
@@ -698,11 +704,12 @@ def test_the_push_count_refuses_a_foreign_counter_before_any_write(target, field
         touched = counters(outcome) | (counters("stale") if amends else set())
     if field not in touched:
         expected = 0 if amends and outcome == "stale" else 2 if amends else 1
-        assert int(_scripts.call(r, "sync_count", [k.stats], ["w0", push, outcome])) == expected
+        assert int(_scripts.call(r, "sync_count", [k.stats, k.params],
+                                 ["w0", push, outcome])) == expected  # fmt: skip
         assert r.hget(k.stats, field) == b"many"
         return
     with pytest.raises(accumulator.AccumulatorError, match=f"field {field} is not a count"):
-        _scripts.call(r, "sync_count", [k.stats], ["w0", push, outcome])
+        _scripts.call(r, "sync_count", [k.stats, k.params], ["w0", push, outcome])
     assert snapshot(r) == before
 
 

@@ -164,10 +164,12 @@ def test_a_push_count_amended_or_sent_again_counts_once(target):
     from accumulator import _scripts
 
     r = target.redis()
-    stats_key = SyncKeys("", "amend").stats
+    keys = SyncKeys("", "amend")
+    stats_key = keys.stats
+    r.hset(keys.params, "run", "r")  # (a job: the push of a deleted one counts nothing)
 
     def count(push: str, what: str) -> int:
-        return int(_scripts.call(r, "sync_count", [stats_key], ["w:1", push, what]))
+        return int(_scripts.call(r, "sync_count", [stats_key, keys.params], ["w:1", push, what]))
 
     def counters() -> tuple[int, ...]:
         got = r.hgetall(stats_key)
@@ -189,6 +191,8 @@ def test_a_push_count_amended_or_sent_again_counts_once(target):
     assert counters() == (1, 0, 1, 1, 0, 1)
     assert count("c3", "none") == 1 and count("c3", "stale") == 2
     assert counters() == (2, 1, 1, 2, 1, 1)
+    r.delete(keys.params, stats_key)  # the job deleted: a straggler's push brings nothing back
+    assert count("d4", "") == -1 and not r.exists(stats_key)
 
 
 def _failed_step():
@@ -338,6 +342,23 @@ def test_chief_restart_resumes_and_skips_a_lost_round(target):
     assert list(target.redis().scan_iter()) == []
     worker.close()
     chief.close()
+
+
+def test_a_stragglers_push_after_the_job_is_deleted_leaves_nothing(target):
+    """A worker that pulled before the job was deleted pushes afterwards: NotFoundError, and
+    not a key of the job brought back (its push count re-created the stats hash, without
+    expiry)."""
+    ps = ParameterServer("gone", replicas_to_aggregate=1, sparse={"emb"}, client=target.client())
+    ps.initialize(_params())
+    worker = Worker("gone", client=target.client())
+    step, _ = worker.pull(timeout=1)
+    ps.delete()
+    assert list(target.redis().scan_iter()) == []
+    with pytest.raises(accumulator.NotFoundError):
+        worker.push(step, {"w": np.ones((2, 3)), "emb": ([0], [[1.0, 1.0]])})
+    assert list(target.redis().scan_iter()) == []
+    worker.close()
+    ps.close()
 
 
 def test_bad_arguments(target):

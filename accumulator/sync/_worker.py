@@ -368,7 +368,7 @@ class Worker(_Job):
     def _count_call(self, push_id: str, what: str) -> Call:
         """The ``lua/sync_count.lua`` call counting this worker's push ``push_id`` with the
         outcome ``what`` ('' all accepted, ``stale``, ``partial``, or ``none``: not counted)."""
-        return Call("counting the push", "sync_count", [self.keys.stats],
+        return Call("counting the push", "sync_count", [self.keys.stats, self.keys.params],
                     [self.worker_id, push_id, what])  # fmt: skip
 
     def _count_now(self, push_id: str, what: str) -> None:
