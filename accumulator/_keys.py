@@ -343,11 +343,15 @@ class SyncKeys:
     key                        type     contents
     =========================  =======  ======================================================
     ``accsync:{tag}:p``         hash     the published state: ``run`` (id of this job's
-                                        initialization), ``step``, ``done`` (0/1) and ``meta``
-                                        (msgpack: parameter specs, reduction, replicas)
-    ``accsync:{tag}:v:<run>:<step>:<j>:<i>``
+                                        initialization), ``step``, ``ten`` (the publishing
+                                        chief's tenure, see below), ``done`` (0/1) and
+                                        ``meta`` (msgpack: parameter specs, reduction,
+                                        replicas)
+    ``accsync:{tag}:v:<run>.<ten>:<step>:<j>:<i>``
                                 string   part ``i`` of parameter ``j`` (in the specs' order)
-                                        as published at (run, step): raw little-endian bytes,
+                                        as published at (run, step) by the chief of tenure
+                                        ``ten`` (a job published by an earlier version:
+                                        ``v:<run>:<step>:...``): raw little-endian bytes,
                                         C order, in parts of one chunk; the previous version
                                         expires a minute after a newer one is published
     ``accsync:{tag}:st``        hash     push counters: ``pushes``, ``partial``, ``stale``
@@ -362,7 +366,8 @@ class SyncKeys:
                                         (``sync._published.ANNOUNCE_BYTES``) msgpack
                                         ``["p1", run, step, done, [bytes per parameter]]``
     ``accsync:{tag}:chief``     hash     the chief lease (one chief per job): ``id``,
-                                        ``host``, ``pid``, ``since_ms``, ``renewed_ms``,
+                                        ``tenure`` (a token of its acquire), ``host``,
+                                        ``pid``, ``since_ms``, ``renewed_ms``,
                                         ``expires_ms`` (server time); kept an hour past its
                                         expiry (``accumulator job`` shows a dead chief);
                                         written by ``lua/sync_lease.lua``; the name is
@@ -399,9 +404,12 @@ class SyncKeys:
         """SCAN MATCH pattern for the parts of every published parameter version."""
         return glob_escape(self.base) + ":v:*"
 
-    def param_parts(self, run: str, step: int, index: int, nbytes: int) -> list[str]:
-        """The keys of parameter ``index`` (of ``nbytes``) as published at (run, step)."""
+    def param_parts(
+        self, run: str, step: int, index: int, nbytes: int, tenure: str = ""
+    ) -> list[str]:
+        """The keys of parameter ``index`` (of ``nbytes``) as published at (run, step) by the
+        chief of ``tenure`` (none: a job published before tenures)."""
         from ._chunks import n_parts
 
-        head = f"{self.base}:v:{run}:{step}:{index}:"
+        head = f"{self.base}:v:{run}{'.' + tenure if tenure else ''}:{step}:{index}:"
         return [head + str(i) for i in range(n_parts(nbytes))]

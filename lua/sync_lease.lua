@@ -1,22 +1,30 @@
 -- sync_lease: the chief lease of a sync job (accumulator.sync): one chief per job.
--- KEYS[1] lease hash (accsync:{tag}:chief: id, host, pid, since_ms, renewed_ms, expires_ms)
--- ARGV[1] 'acquire' (also renews) | 'renew' (only a lease this chief holds: a deleted job's
---         lease is not brought back) | 'release' | 'publish'  ARGV[2] chief id
+-- KEYS[1] lease hash (accsync:{tag}:chief: id, tenure, host, pid, since_ms, renewed_ms,
+--         expires_ms)
+-- ARGV[1] 'acquire' | 'renew' | 'release' | 'publish'  ARGV[2] chief id
 -- ARGV[3] lease ms  ARGV[4] host  ARGV[5] pid  ARGV[6] ms the record of an expired lease is
---         kept (for `accumulator job`)
--- acquire: {1, id of an expired holder taken over or ''} or, when another chief's lease runs,
--- {0, id, host, pid, ms left, ms since its last renewal}.
--- release: {1} when the lease was this chief's (deleted), else {0}.
--- publish: acquire, then, only when the lease is this chief's, switch the job to the new
--- version of its parameters, in the same atomic step (fenced: no chief ever publishes over
--- another). KEYS[2] the published hash (accsync:{tag}:p)  KEYS[3 .. 2+n] the new version's
--- part keys, written before this call (deleted when the lease is another's, unless the
--- hash names them already)  KEYS[3+n .. #KEYS-m] the previous version's part keys (they
--- expire after ARGV[10] ms)  KEYS[#KEYS-m+1 ..] the part keys of the version before that
--- (deleted: Redis holds at most the current and the previous version)
+--         kept (for `accumulator job`)  ARGV[7] (acquire, renew, release) the tenure: a token
+--         of the chief's acquire, new at each (publish: the 'ten' field of the published hash)
+-- A chief holds the lease from its acquire until another chief's: its renewals, publishes
+-- and release are refused once the record names another id or another tenure (the same id
+-- restarted), also after that other chief's lease ran out (it may have published since).
+-- acquire: a new tenure, taken over from a holder whose lease ran out; {1, id of the holder
+-- taken over or ''} or, when another chief's lease runs, {0, id, host, pid, ms left, ms since
+-- its last renewal}.
+-- renew: {1, ''}, or acquire's refusal when the lease is not this chief's tenure ({0, '', ..}:
+-- no lease at all: a deleted job's lease is not brought back).
+-- release: {1} when the lease was this chief's tenure (deleted), else {0}.
+-- publish: renew (or acquire, when there is no lease at all), then, only when the lease is
+-- this chief's tenure, switch the job to the new version of its parameters, in the same
+-- atomic step (fenced: no chief ever publishes over another). KEYS[2] the published hash
+-- (accsync:{tag}:p)  KEYS[3 .. 2+n] the new version's part keys, written before this call
+-- (under the tenure's own names: deleted when refused, unless the hash names them already)
+-- KEYS[3+n .. #KEYS-m] the previous version's part keys (they expire after ARGV[10] ms)
+-- KEYS[#KEYS-m+1 ..] the part keys of the version before that (deleted: Redis holds at most
+-- the current and the previous version)
 -- ARGV[7] n  ARGV[8] channel to announce the step on ('': the client does, after this call)
 -- ARGV[9] the announcement  ARGV[10] ms  ARGV[11] m  ARGV[12 ..] field, value pairs of the
--- published hash.
+-- published hash (run, step, ten, ...).
 -- The reply is acquire's.
 local mode = ARGV[1]
 local publish = mode == 'publish'
@@ -42,44 +50,51 @@ if publish then
   local err = check_acl(checks)
   if err then return err end
 end
+local want = {}  -- (publish) the published hash's new fields
+if publish then
+  for i = 12, #ARGV - 1, 2 do want[ARGV[i]] = ARGV[i + 1] end
+end
+local tenure = (publish and want.ten or ARGV[7]) or ''
 -- Whether the published hash names the version this call publishes already (a retry whose
 -- first reply was lost): its parts are then being read, never deleted.
 local function published_here()
-  local want = {}
-  for i = 12, #ARGV - 1, 2 do want[ARGV[i]] = ARGV[i + 1] end
-  local have = redis.call('HMGET', KEYS[2], 'run', 'step')
-  return have[1] == want.run and have[2] == want.step
+  local have = redis.call('HMGET', KEYS[2], 'run', 'step', 'ten')
+  return have[1] == want.run and have[2] == want.step and (have[3] or '') == (want.ten or '')
 end
 local now = now_ms()
-local cur = redis.call('HMGET', KEYS[1], 'id', 'expires_ms', 'host', 'pid', 'renewed_ms')
+local cur = redis.call('HMGET', KEYS[1], 'id', 'expires_ms', 'host', 'pid', 'renewed_ms',
+  'tenure')
 local holder = cur[1]
+local mine = holder == ARGV[2] and (cur[6] or '') == tenure
 if mode == 'release' then
-  if holder == ARGV[2] then
+  if mine then
     redis.call('DEL', KEYS[1])
     return {1}
   end
   return {0}
 end
 local expires = tonumber(cur[2] or '') or 0
-if mode == 'renew' and holder ~= ARGV[2] then
-  if not holder then return {0, '', '', '', '0', '0'} end
+if mode == 'renew' and not holder then
+  return {0, '', '', '', '0', '0'}
 elseif mode ~= 'acquire' and mode ~= 'renew' and not publish then
   return acc_error('BADARG sync_lease')
 end
-if holder and holder ~= ARGV[2] and expires > now then
+if holder and ((mode == 'acquire' and holder ~= ARGV[2] and expires > now)
+    or (mode ~= 'acquire' and not mine)) then
   if publish and not published_here() then
     local n = tonumber(ARGV[7])
     for i = 3, 2 + n, 1000 do redis.call('UNLINK', unpack(KEYS, i, math.min(i + 999, 2 + n))) end
   end
   local renewed = tonumber(cur[5] or '') or now
-  return {0, holder, cur[3] or '', cur[4] or '', int_str(expires - now), int_str(now - renewed)}
+  return {0, holder, cur[3] or '', cur[4] or '', int_str(math.max(expires - now, 0)),
+    int_str(now - renewed)}
 end
 local previous = ''
-if holder ~= ARGV[2] then
+if not mine then
   previous = holder or ''
   redis.call('DEL', KEYS[1])
-  redis.call('HSET', KEYS[1], 'id', ARGV[2], 'host', ARGV[4], 'pid', ARGV[5],
-             'since_ms', int_str(now))
+  redis.call('HSET', KEYS[1], 'id', ARGV[2], 'tenure', tenure, 'host', ARGV[4],
+             'pid', ARGV[5], 'since_ms', int_str(now))
 end
 redis.call('HSET', KEYS[1], 'renewed_ms', int_str(now),
            'expires_ms', int_str(now + tonumber(ARGV[3])))

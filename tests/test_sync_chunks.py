@@ -72,7 +72,9 @@ def test_redis_holds_two_parameter_versions_however_fast_the_steps(target):
         ps.step(0.5, timeout=5)
         step, _ = worker.pull(after=step, timeout=5)
     assert step == 4
-    current, previous = ps._version_keys(ps._run, 4), ps._version_keys(ps._run, 3)
+    tenure = ps._lease.tenure
+    current = ps._version_keys(ps._run, 4, tenure)
+    previous = ps._version_keys(ps._run, 3, tenure)
     assert {k.decode() for k in _values(r, keys)} == {*current, *previous}
     assert all(r.pttl(k) == -1 for k in current)
     assert all(0 < r.pttl(k) <= 60_000 for k in previous)

@@ -344,6 +344,115 @@ def test_a_lease_taken_over_during_the_update_fences_the_publish(target, big):
     ps.close()
 
 
+@pytest.mark.parametrize("big", [False, True], ids=["in-the-switch", "parts-first"])
+def test_a_deposed_chief_writes_nothing_of_its_successors_version(target, big):
+    """A chief paused past its lease (here: in its update) while another took over and
+    published the same step: its late publish is refused and leaves the successor's
+    parameters as they were. Its parts went under the successor's very key names (the
+    version's names were (run, step)), so readers got the deposed chief's values, or, over
+    a chunk, a mix of both within one tensor."""
+    params = _params()
+    if big:
+        params["w"] = np.linspace(-1.0, 1.0, 400 * 400).reshape(400, 400)  # 1.28 MB
+    ps = ParameterServer("depose", replicas_to_aggregate=1, sparse={"emb"},
+                         client=target.client(), chief_id="first")  # fmt: skip
+    initial = {name: value.copy() for name, value in params.items()}
+    ps.initialize(params)
+    worker = Worker("depose", client=target.client())
+    step, before = worker.pull(timeout=5)
+    worker.push(step, _grad(params, step, 0))
+    key = chief_key(SyncKeys("", "depose"))
+    r = target.redis()
+    successor = ParameterServer("depose", replicas_to_aggregate=1, sparse={"emb"},
+                                client=target.client(), chief_id="second")  # fmt: skip
+
+    def paused_meanwhile(params: dict, grads: dict, step: int) -> None:
+        r.hset(key, "expires_ms", 0)  # the first chief's lease ran out while it was paused
+        # the second takes over: the first had read the round, so it republishes the
+        # parameters unchanged at the next step (a reader sees them)
+        assert successor.initialize(initial) == 1
+        for name in params:
+            params[name] = np.full_like(params[name], -7.0)
+
+    with pytest.raises(ChiefConflictError, match="second"):
+        ps.step(paused_meanwhile, timeout=5)
+    got_step, got = worker.pull(timeout=5)
+    assert got_step == 1
+    for name in before:
+        np.testing.assert_array_equal(got[name], before[name])
+    tenure = successor._lease.tenure
+    versions = {k.decode() for k in r.scan_iter(match=SyncKeys("", "depose").versions_pattern)}
+    assert {k for k in versions if f".{tenure}:" not in k} <= set(ps._version_keys(ps._run, 0,
+                                                                                  ps._lease.tenure))
+    worker.close()
+    successor.close()
+    ps.close()
+
+
+def test_a_deposed_chief_does_not_take_the_lease_back_from_a_dead_successor(target):
+    """Its renewal finds another chief's lease, run out: that chief may have published
+    since, so this one has lost it (it took the lease back, and went on publishing its own
+    older parameters over the successor's steps)."""
+    ps = ParameterServer("back", replicas_to_aggregate=1, client=target.client(),
+                         chief_id="first")  # fmt: skip
+    ps.initialize({"w": np.zeros(3)})
+    key = chief_key(SyncKeys("", "back"))
+    r = target.redis()
+    r.hset(key, mapping={"id": "second", "tenure": "t2", "expires_ms": 0})  # came, went
+    with pytest.raises(ChiefConflictError, match="second"):
+        ps._lease.check(renew=True)
+    assert r.hget(key, "id") == b"second"
+    # the same id restarted (a new tenure) fences the process it replaces, too
+    old = ParameterServer("back", replicas_to_aggregate=1, client=target.client(),
+                          chief_id="same")  # fmt: skip
+    r.delete(key)
+    old.initialize({"w": np.zeros(3)})
+    new = ParameterServer("back", replicas_to_aggregate=1, client=target.client(),
+                          chief_id="same")  # fmt: skip
+    r.hset(key, "expires_ms", 0)
+    new.initialize({"w": np.zeros(3)})
+    with pytest.raises(ChiefConflictError, match="same"):
+        old._lease.check(renew=True)
+    old._lease.release()  # refused: the lease stays the new process's
+    assert r.hget(key, "tenure") == new._lease.tenure.encode()
+    new.close()
+    ps.close()
+
+
+def test_a_job_published_before_tenures_is_read_and_resumed(target):
+    """A job an earlier version published: no ``ten`` in the hash, its parts under
+    ``v:<run>:<step>:...``, metadata version 2. Its parameters are read as they are; a
+    chief resuming it publishes under its tenure, with the metadata (version 4: a reader of
+    2 only would look for the parts under the old names)."""
+    import msgpack
+
+    ps = ParameterServer("old", replicas_to_aggregate=1, client=target.client())
+    ps.initialize({"w": np.arange(6.0).reshape(2, 3)})
+    ps.close()
+    r, keys = target.redis(), SyncKeys("", "old")
+    run, tenure = r.hget(keys.params, "run").decode(), r.hget(keys.params, "ten").decode()
+    for key in list(r.scan_iter(match=keys.versions_pattern)):
+        r.rename(key, key.decode().replace(f"{run}.{tenure}:", f"{run}:"))
+    meta = msgpack.unpackb(r.hget(keys.params, "meta"), raw=False)
+    r.hset(keys.params, "meta", msgpack.packb({**meta, "v": 2}, use_bin_type=True))
+    r.hdel(keys.params, "ten")
+    worker = Worker("old", client=target.client())
+    step, got = worker.pull(timeout=5)
+    assert step == 0
+    np.testing.assert_array_equal(got["w"], np.arange(6.0).reshape(2, 3))
+    chief = ParameterServer("old", replicas_to_aggregate=1, client=target.client())
+    assert chief.initialize({"w": np.zeros((2, 3))}) == 0  # resumed
+    worker.push(0, {"w": np.ones((2, 3))})
+    chief.step(1.0, timeout=5)
+    step, got = worker.pull(after=0, timeout=5)
+    assert step == 1
+    np.testing.assert_array_equal(got["w"], np.arange(6.0).reshape(2, 3) - 1)
+    assert r.hget(keys.params, "ten") == chief._lease.tenure.encode()
+    assert msgpack.unpackb(r.hget(keys.params, "meta"), raw=False)["v"] == 4
+    worker.close()
+    chief.close()
+
+
 def _crashing_chief(url: str, job: str, chief_id: str, ready: str) -> None:
     ps = ParameterServer(job, replicas_to_aggregate=1, client=url, chief_id=chief_id,
                          chief_lease=1.5)  # fmt: skip

@@ -116,12 +116,12 @@ class ParameterServer(_Job):
         self._step: int | None = None
         self._run = ""
         self._done = False
-        #: (run, step) of the parameters this chief last published or resumed from: its parts
-        #: are set to expire once a newer version is published
-        self._published_version: tuple[str, int] | None = None
+        #: (run, step, tenure) of the parameters this chief last published or resumed from:
+        #: its parts are set to expire once a newer version is published
+        self._published_version: tuple[str, int, str] | None = None
         #: the version published before that one: deleted when a newer one is published
         #: (Redis holds at most two versions, however fast the steps)
-        self._older_version: tuple[str, int] | None = None
+        self._older_version: tuple[str, int, str] | None = None
         # Gradients already taken for the current step when a step() timed out part-way:
         # the next step() continues from there instead of taking those parameters twice.
         # After a restart it also holds the zero gradients of parameters whose round the
@@ -249,7 +249,8 @@ class ParameterServer(_Job):
         self._fusion = published.fusion
         self._open_accumulators(published.specs, published.reduction, published.fusion)
         self._params, self._run = published.params, published.run
-        self._published_version, self._older_version = (published.run, published.step), None
+        self._published_version = (published.run, published.step, published.tenure)
+        self._older_version = None
         self._taken, self._done, self._unpublished = {}, False, None
         at = published.step
         steps = {name: acc.global_step() for name, acc in self._accs.items()}
@@ -359,19 +360,27 @@ class ParameterServer(_Job):
         self._io("deleting the job", lambda: _admin.delete_param_versions(self.redis, self.keys))
 
     def _publish(self, *, meta: bool = False, done: bool = False) -> None:
-        run, step = self._run, self.global_step
+        # The version's keys carry this chief's tenure: a chief that lost its lease (paused,
+        # cut off) and writes its parts late writes none of the next chief's, even at the
+        # same (run, step); its switch is refused and deletes them. The first publish of a
+        # tenure writes the metadata too (a job resumed from an earlier version's names its
+        # parts without tenure: its readers must know the new names).
+        run, step, tenure = self._run, self.global_step, self._lease.tenure
+        meta = meta or self._published_version is None or self._published_version[2] != tenure
         mapping = encode_published(
             run, step, done, self._specs,
             (self.replicas_to_aggregate, self.reduction_type, self._fusion) if meta else None,
+            tenure,
         )  # fmt: skip
         parts = []  # one buffer per unit of the job's layout (a fused bucket's packed)
         for j, unit in enumerate(self._units):
             data = unit_bytes(unit, self._params)
-            parts.append((self.keys.param_parts(run, step, j, data.nbytes), data))
+            parts.append((self.keys.param_parts(run, step, j, data.nbytes, tenure), data))
+        version = (run, step, tenure)
         previous, older = self._published_version, self._older_version
-        old_keys = [] if previous in (None, (run, step)) else self._version_keys(*previous)
+        old_keys = [] if previous in (None, version) else self._version_keys(*previous)
         # the version before the previous one: a reader still in it reads the newest again
-        stale = older if old_keys and older not in (None, (run, step), previous) else None
+        stale = older if old_keys and older not in (None, version, previous) else None
         stale_keys = [] if stale is None else self._version_keys(*stale)
 
         # The switch is the lease script's ``publish``: the lease renewed and, only while this
@@ -431,12 +440,13 @@ class ParameterServer(_Job):
         self._lease.settle(self._io("publishing", publish))
         if old_keys:
             self._older_version = previous
-        self._published_version = (run, step)
+        self._published_version = version
 
-    def _version_keys(self, run: str, step: int) -> list[str]:
-        """Every part key of the parameters as published at (run, step)."""
+    def _version_keys(self, run: str, step: int, tenure: str) -> list[str]:
+        """Every part key of the parameters as published at (run, step) by ``tenure``."""
         return [key for j, unit in enumerate(self._units)
-                for key in self.keys.param_parts(run, step, j, unit_nbytes(unit))]  # fmt: skip
+                for key in self.keys.param_parts(run, step, j, unit_nbytes(unit),
+                                                 tenure)]  # fmt: skip
 
     def step(self, update: Update, timeout: float | None = None, *, final: bool = False) -> int:
         """Take ``replicas_to_aggregate`` gradients of every parameter, apply ``update``,

@@ -32,18 +32,21 @@ from ._published import (
 
 @dataclass(frozen=True)
 class Version:
-    """One published version of a job's parameters: (run, step), the specs they have and
-    the job's fusion bytes (its layout: one published buffer per unit)."""
+    """One published version of a job's parameters: (run, step), the specs they have, the
+    job's fusion bytes (its layout: one published buffer per unit) and the tenure of the
+    chief that published it (its keys carry it)."""
 
     run: str
     step: int
     specs: tuple[ParamSpec, ...]
     fusion: int = 0
+    tenure: str = ""
 
     @classmethod
     def of(cls, published: Published) -> Version:
         """The version ``published`` names."""
-        return cls(published.run, published.step, tuple(published.specs), published.fusion)
+        return cls(published.run, published.step, tuple(published.specs), published.fusion,
+                   published.tenure)  # fmt: skip
 
     @property
     def nbytes(self) -> int:
@@ -244,8 +247,8 @@ class _Job:
         parameters are small (one part in all, up to 1 MiB), they are read in the same round
         trip as the hash and kept if the hash names that version (a worker's pull of a small
         model is then one round trip)."""
-        fields = ("run", "step", "done", "meta")
-        missing: tuple[str, int] | None = None
+        fields = ("run", "step", "done", "meta", "ten")
+        missing: Version | None = None
         while True:
             early = None
             if guess is not None and guess.nbytes <= _chunks.SOLE_PART_BYTES:
@@ -278,7 +281,7 @@ class _Job:
                 params = self._read_params(published)
             if params is not None:
                 return dataclasses.replace(published, params=params)
-            version = (published.run, published.step)
+            version = Version.of(published)
             if version == missing:  # still the published version: its parts are gone
                 raise RuntimeError(
                     f"sync job {self.job!r}: the parameters published at step "
@@ -299,7 +302,7 @@ class _Job:
             nbytes = unit_nbytes(unit)
             wire = np.empty(unit.shape, wire_dtype(unit.dtype))
             flat = wire.reshape(-1).view(np.uint8).data
-            keys += self.keys.param_parts(version.run, version.step, j, nbytes)
+            keys += self.keys.param_parts(version.run, version.step, j, nbytes, version.tenure)
             views += [flat[a:b] for a, b in _chunks.part_ranges(nbytes)]
             wires.append((unit, wire))
         return keys, views, wires

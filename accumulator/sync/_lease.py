@@ -8,6 +8,7 @@ import os
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Mapping
 from typing import Any
 
@@ -75,6 +76,10 @@ class _ChiefLease:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.held = False
+        #: This chief's tenure: a token of its acquire (the lease names it, and the keys of the
+        #: parameter versions it publishes carry it): a chief that lost its lease writes none of
+        #: the keys of the chief after it, not even one restarted under the same ``chief_id``.
+        self.tenure = ""
         #: Set (to the reason) when another chief took the lease over: this chief must stop.
         self.lost: str | None = None
         #: monotonic time a renewal that succeeded was sent (the lease holds a lease from then)
@@ -83,8 +88,10 @@ class _ChiefLease:
         self.guard = _LeaseGuard(self)
 
     def _args(self, mode: str) -> list[Any]:
-        return [mode, self.chief_id, max(1, int(self.seconds * 1000)), self._host, self._pid,
+        args = [mode, self.chief_id, max(1, int(self.seconds * 1000)), self._host, self._pid,
                 _LEASE_RECORD_MS]  # fmt: skip
+        # (a publish names its tenure in the published hash's fields: see publish_call)
+        return args if mode == "publish" else [*args, self.tenure]
 
     def _call(self, mode: str) -> list[Any]:
         return list(_scripts.call(self._client, "sync_lease", [self.key], self._args(mode)))
@@ -120,6 +127,8 @@ class _ChiefLease:
         """Take (or renew) the lease; waits up to ``wait`` seconds for another chief's to run
         out, then raises :class:`ChiefConflictError`."""
         deadline = time.monotonic() + max(0.0, wait)
+        if not self.held:
+            self.tenure = uuid.uuid4().hex[:8]
         while True:
             sent = time.monotonic()
             reply = _retry.call(
@@ -157,20 +166,29 @@ class _ChiefLease:
             return
         sent = time.monotonic()
         self.settle(_retry.call(
-            lambda: self._call("acquire"), f"sync job {self.job!r}: chief lease",
+            lambda: self._call("renew"), f"sync job {self.job!r}: chief lease",
             window=self.window,
         ))  # fmt: skip
         self._renewed = sent
 
     def settle(self, reply: list[Any]) -> None:
-        """Raise :class:`ChiefConflictError` (and stop renewing) when the reply of an
-        ``acquire`` or a ``publish`` says another chief holds the lease."""
+        """Raise :class:`ChiefConflictError` (and stop renewing) when the reply of a
+        ``renew`` or a ``publish`` says the lease is no longer this chief's."""
         if int(reply[0]) != 1:
-            conflict = self._conflict(reply)
-            self.lost = f"this chief lost its lease: {conflict}"
+            self.lost = self._lost(reply)
             self._stop.set()
-            raise ChiefConflictError(self.lost, job=self.job, holder=conflict.holder,
-                                     expires_in=conflict.expires_in)  # fmt: skip
+            holder = reply_text(reply[1])
+            left = int(reply[4]) / 1000 if holder else None
+            raise ChiefConflictError(self.lost, job=self.job, holder=holder, expires_in=left)
+
+    def _lost(self, reply: list[Any]) -> str:
+        """Why a renewal or publish was refused: another chief's lease, or none at all."""
+        if reply_text(reply[1]):
+            return f"this chief lost its lease: {self._conflict(reply)}"
+        return (
+            f"this chief's lease of sync job {self.job!r} is gone (the job was deleted, or "
+            "Redis lost its data)"
+        )
 
     def _beat(self) -> None:
         while not self._stop.wait(self.seconds / 3):
@@ -181,13 +199,7 @@ class _ChiefLease:
                 logger.debug("sync job %r: renewing the chief lease failed: %s", self.job, exc)
                 continue
             if int(reply[0]) != 1:
-                if reply_text(reply[1]):
-                    self.lost = f"this chief lost its lease: {self._conflict(reply)}"
-                else:
-                    self.lost = (
-                        f"this chief's lease of sync job {self.job!r} is gone (the job was "
-                        "deleted, or Redis lost its data)"
-                    )
+                self.lost = self._lost(reply)
                 logger.error("sync job %r: %s", self.job, self.lost)
                 return
             self._renewed = max(self._renewed, sent)

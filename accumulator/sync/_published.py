@@ -27,11 +27,15 @@ from .._fusion import Unit, in_order, pack, views
 if TYPE_CHECKING:
     from redis.typing import EncodableT, FieldT
 
-META_VERSION = 2  # 2: parameters in parts under versioned keys
+#: 2: parameters in parts under versioned keys; 4: whose names hold the publishing chief's
+#: tenure (``ten`` in the hash; a reader of 2 would look for them under the old names).
+META_VERSION = 4
 #: A job whose small parameters share accumulators (``fusion`` in its metadata): a reader of
 #: version 2 only would open one accumulator per parameter, that no chief takes, and wait
-#: forever; it is refused instead.
-META_VERSION_FUSED = 3
+#: forever; it is refused instead. 5: with tenures, as 4.
+META_VERSION_FUSED = 5
+#: Every version this library reads (2 and 3: published by an earlier version, no tenure).
+_READS = (2, 3, META_VERSION, META_VERSION_FUSED)
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,7 @@ class Published:
     reduction: str
     params: dict[str, np.ndarray]
     fusion: int = 0  # the job's fusion_bytes (accumulator/_fusion.py); 0: none
+    tenure: str = ""  # of the chief that published it ('': an earlier version's chief)
 
 
 def encode_published(
@@ -78,11 +83,13 @@ def encode_published(
     done: bool,
     specs: list[ParamSpec],
     meta: tuple[int, str, int] | None = None,
+    tenure: str = "",
 ) -> dict[FieldT, EncodableT]:
-    """The hash fields of one publish: run, step, done flag and, with ``meta`` (replicas,
-    reduction, fusion bytes), the metadata (the specs). The parameters go to their parts
-    (:func:`param_bytes`)."""
-    mapping: dict[FieldT, EncodableT] = {"run": run, "step": step, "done": int(done)}
+    """The hash fields of one publish: run, step, the publishing chief's tenure, done flag
+    and, with ``meta`` (replicas, reduction, fusion bytes), the metadata (the specs). The
+    parameters go to their parts (:func:`param_bytes`)."""
+    mapping: dict[FieldT, EncodableT] = {"run": run, "step": step, "ten": tenure,
+                                         "done": int(done)}  # fmt: skip
     if meta is not None:
         replicas, reduction, fusion = meta
         fields: dict[str, Any] = {"v": META_VERSION, "params": [s.pack() for s in specs],
@@ -136,16 +143,16 @@ def decode_published(job: str, raw: Mapping[bytes, Any]) -> Published | None:
     if raw.get(b"meta") is None or raw.get(b"step") is None:
         return None
     version, specs, replicas, reduction, fusion = _decode_meta(bytes(raw[b"meta"]))
-    if version not in (META_VERSION, META_VERSION_FUSED):
+    if version not in _READS:
         raise RuntimeError(
             f"sync job {job!r} was published by an incompatible version (metadata version "
-            f"{version!r}, this library reads {META_VERSION} and {META_VERSION_FUSED})"
+            f"{version!r}, this library reads {', '.join(map(str, _READS))})"
         )
     params: dict[str, np.ndarray] = {}
     return Published(
         run=raw[b"run"].decode(), step=int(raw[b"step"]), done=raw.get(b"done") == b"1",
         specs=list(specs), replicas=replicas, reduction=reduction, params=params,
-        fusion=fusion,
+        fusion=fusion, tenure=bytes(raw.get(b"ten") or b"").decode(),
     )  # fmt: skip
 
 
@@ -155,7 +162,7 @@ def _decode_meta(meta: bytes) -> tuple[Any, tuple[ParamSpec, ...], int, str, int
     published; kept for the next look (every pull reads it, and it changes only with the
     job's definition)."""
     raw = msgpack.unpackb(meta, raw=False)
-    if raw.get("v") not in (META_VERSION, META_VERSION_FUSED):
+    if raw.get("v") not in _READS:
         return raw.get("v"), (), 0, "", 0
     specs = tuple(ParamSpec.unpack(p) for p in raw["params"])
     return raw["v"], specs, int(raw["replicas"]), raw["reduction"], int(raw.get("fusion", 0))

@@ -152,7 +152,8 @@ class Worker(_Job):
         # the version a steady worker pulls next: its parameters come with the first look
         guess = None
         if after is not None and self._run is not None and self._specs:
-            guess = Version(self._run, after + 1, tuple(self._specs), self._fusion)
+            tenure = self._published.tenure if self._published is not None else ""
+            guess = Version(self._run, after + 1, tuple(self._specs), self._fusion, tenure)
         # Subscribed since the look that gave this worker its step, it has every announcement
         # made after that look in hand: waiting for the next one needs no look first.
         look = not (guess is not None and not self._finished and self._step is not None
