@@ -12,7 +12,7 @@ import pytest
 from accumulator import _chunks
 from accumulator._keys import SyncKeys
 from accumulator._stream import fill
-from accumulator.sync import ParameterServer, Worker
+from accumulator.sync import ParameterServer, Worker, chief_key
 
 CHUNK = _chunks.CHUNK_BYTES
 
@@ -79,6 +79,25 @@ def test_redis_holds_two_parameter_versions_however_fast_the_steps(target):
     assert all(r.pttl(k) == -1 for k in current)
     assert all(0 < r.pttl(k) <= 60_000 for k in previous)
     worker.close()
+    ps.close()
+
+
+def test_a_resumed_job_expires_the_versions_of_earlier_chiefs(target):
+    """A chief killed between writing a version's parts and its switch left them without
+    expiry, under its tenure (no later publish writes them again): the chief that resumes
+    the job lets every version but the published one expire within a minute."""
+    r, ps, keys = _job(target, "left")
+    current = set(ps._version_keys(ps._run, 0, ps._lease.tenure))
+    dead = ps._version_keys(ps._run, 1, "deadbeef")  # never switched to
+    for key in dead:
+        r.set(key, b"x")
+    ps._lease._stop.set()
+    r.hset(chief_key(keys), "expires_ms", 0)  # the chief died
+    again = ParameterServer("left", replicas_to_aggregate=1, client=target.client())
+    assert again.initialize(_params()) == 0
+    assert all(0 < r.pttl(k) <= 60_000 for k in dead)
+    assert all(r.pttl(k) == -1 for k in current)  # the published version stays
+    again.close()
     ps.close()
 
 

@@ -251,6 +251,7 @@ class ParameterServer(_Job):
         self._params, self._run = published.params, published.run
         self._published_version = (published.run, published.step, published.tenure)
         self._older_version = None
+        self._expire_other_versions()
         self._taken, self._done, self._unpublished = {}, False, None
         at = published.step
         steps = {name: acc.global_step() for name, acc in self._accs.items()}
@@ -299,6 +300,33 @@ class ParameterServer(_Job):
             self._publish(meta=True)
         logger.info("sync job %r resumed at step %d", self.job, at)
         return at
+
+    def _expire_other_versions(self) -> None:
+        """Every parameter version but the published one expires within a minute (a reader
+        may be in one): those of chiefs before this one, which no publish of this chief
+        names. A chief killed between writing a version's parts and its switch left them
+        without expiry (under its tenure: nobody writes them again), and a crash-looping
+        chief's versions would pile up (each restart kept its predecessor's previous one)."""
+        assert self._published_version is not None
+        current = set(self._version_keys(*self._published_version))
+
+        def expire() -> None:
+            found = [key for key in self.redis.scan_iter(match=self.keys.versions_pattern,
+                                                         count=1000)
+                     if reply_text(key) not in current]  # fmt: skip
+            for i in range(0, len(found), 500):
+                batch = found[i : i + 500]
+                pipe = self.redis.pipeline(transaction=False)
+                for key in batch:
+                    pipe.pttl(key)
+                lasting = [key for key, ttl in zip(batch, pipe.execute(), strict=True)
+                           if ttl == -1]  # (the others expire already)  # fmt: skip
+                pipe = self.redis.pipeline(transaction=False)
+                for key in lasting:
+                    pipe.pexpire(key, _OLD_VERSION_MS)
+                pipe.execute()
+
+        self._io("expiring the versions of earlier chiefs", expire)
 
     def _zero_grad(self, unit_name: str) -> Any:
         """A gradient of the accumulator ``unit_name`` that changes nothing."""
