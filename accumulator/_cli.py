@@ -59,6 +59,7 @@ import redis
 from redis.exceptions import AuthenticationError, RedisClusterException
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.sentinel import MasterNotFoundError
 
 from . import (
     _admin,
@@ -314,8 +315,18 @@ def _translate(ctx: Context, exc: BaseException) -> CliError:
                 "redis://:PASSWORD@...)"
             )
         return CliError(EXIT_CONNECT, f"cannot connect to {where}: {reason}", "auth")
+    if isinstance(exc, MasterNotFoundError):
+        # redis-py appends its client's whole repr: the primary's name is enough
+        head = str(exc).split(" : ", 1)[0].strip()
+        reason = f"{head} (no Sentinel answered, or none knows that primary)"
+        return CliError(EXIT_CONNECT, f"cannot connect to {where}: {reason}", "connect")
     if isinstance(exc, (RedisConnectionError, RedisTimeoutError, RedisClusterException)):
         reason = str(exc).strip() or type(exc).__name__
+        if ctx.tls and not ctx.url.startswith("rediss://"):
+            reason += " (with TLS, as --tls asks: does the server speak TLS?)"
+        return CliError(EXIT_CONNECT, f"cannot connect to {where}: {reason}", "connect")
+    if isinstance(exc, redis.ResponseError) and "DB index is out of range" in str(exc):
+        reason = f"the server has no database of the URL's number ({exc})"
         return CliError(EXIT_CONNECT, f"cannot connect to {where}: {reason}", "connect")
     if isinstance(exc, NotFoundError):
         return CliError(EXIT_NOT_FOUND, str(exc), "not_found")

@@ -488,6 +488,23 @@ def test_unreachable_server_exits_3() -> None:
         assert len(err.splitlines()) == 1
 
 
+def test_connection_errors_say_what_is_wrong_in_one_line(real: Target) -> None:
+    """No Sentinel (redis-py's text carries its client's whole repr: 1.5 KB), a database
+    the server does not have (was ``ResponseError`` and exit 4), ``--tls`` against a server
+    that does not speak it (the shown URL says redis://)."""
+    if real.kind != "real":
+        pytest.skip("one plain server is enough (a TLS handshake waits for its timeout)")
+    nobody = _free_port()
+    err = failed(cli("ls", "--url", f"redis+sentinel://:pw@127.0.0.1:{nobody}/mymaster"), 3)
+    assert "No master found for 'mymaster' (no Sentinel answered" in err
+    assert len(err.splitlines()) == 1 and "ConnectionPool" not in err and "pw" not in err
+    db = real.url.rsplit("/", 1)[0] + "/99"
+    err = failed(cli("ls", "--url", db), 3)
+    assert "cannot connect to" in err and "no database of the URL's number" in err
+    err = failed(cli("ls", "--url", real.url, "--tls", timeout=120), 3)
+    assert "does the server speak TLS?" in err and len(err.splitlines()) == 1
+
+
 def test_password_errors_exit_3(real: Target) -> None:
     with RedisServer(args=["--requirepass", "pw"]) as server:
         with_password = server.url.replace("redis://", "redis://:pw@")
