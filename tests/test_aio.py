@@ -565,3 +565,19 @@ def test_a_wait_rides_out_killed_connections(real):
             np.testing.assert_array_equal(await asyncio.wait_for(waiting, 10), [5.0])
 
     run(main)
+
+
+def test_an_object_used_in_a_second_event_loop_says_so(target):
+    """Its connections belong to the loop it was opened in: a second ``asyncio.run`` got
+    redis-py's "Event loop is closed" (or a hang); now an error that says what to do."""
+    acc = dense(target, shared_name="two-loops")
+
+    async def apply() -> bool:
+        return await acc.apply_grad([1.0, 2.0, 3.0])
+
+    assert run(apply) is True
+    with pytest.raises(accumulator.AccumulatorError, match="another event loop"):
+        run(apply)
+    with accumulator.ConditionalAccumulator(np.float32, (3,), shared_name="two-loops",
+                                            client=target.client()) as sync:  # fmt: skip
+        assert sync.num_accumulated() == 1  # the second apply sent nothing

@@ -17,7 +17,7 @@ from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.exceptions import NoScriptError, ResponseError
 
 from .. import _retry, _scripts
-from .._errors import CancelledError
+from .._errors import AccumulatorError, CancelledError
 from .._model import AccumulatorModel, server_of
 from .._requests import (
     Batch,
@@ -132,6 +132,7 @@ class AccumulatorBase(AccumulatorModel):
         self._client = client
         self._conns: AsyncConnections | None = None
         self._opening: asyncio.Lock | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the one it was opened in
         self._waits: set[Any] = set()
         # protocol steps running (_drive): aclose() lets them end (a cut take withdraws from
         # the FIFO) before it closes the connections
@@ -151,6 +152,12 @@ class AccumulatorBase(AccumulatorModel):
         first operation otherwise); returns the accumulator."""
         self._check_open()
         if self._conns is not None:
+            if asyncio.get_running_loop() is not self._loop:
+                raise AccumulatorError(
+                    f"the asyncio accumulator {self._shared_name!r} was opened in another event "
+                    "loop (asyncio.run() called again?): its connections belong to that loop. "
+                    "Create one object per event loop"
+                )
             return self
         if self._opening is None:
             self._opening = asyncio.Lock()
@@ -164,7 +171,7 @@ class AccumulatorBase(AccumulatorModel):
                 except BaseException:
                     await conns.close()
                     raise
-                self._conns = conns
+                self._conns, self._loop = conns, asyncio.get_running_loop()
         return self
 
     def __await__(self: _A) -> Any:
@@ -206,7 +213,8 @@ class AccumulatorBase(AccumulatorModel):
             await conns.close()
 
     async def close(self) -> None:
-        """The same as :meth:`aclose`."""
+        """The same as :meth:`aclose` (a coroutine, as every method here: ``await
+        acc.close()``; a bare ``acc.close()`` does nothing)."""
         await self.aclose()
 
     async def __aenter__(self: _A) -> _A:
