@@ -548,6 +548,9 @@ def test_module_functions(real):
         assert await aio.reset_container("c", client=real.url) == 1
         assert await aio.list_accumulators(client=real.url) == []
         await client.aclose()
+        # a synchronous client: refused as the classes refuse it (it was taken quietly)
+        with pytest.raises(TypeError, match="synchronous client"):
+            await aio.list_accumulators(client=redis.Redis())
 
     run(main)
 

@@ -8,17 +8,23 @@ import asyncio
 
 from .. import _admin, _functions
 from .._connection import Client, twin_client, twin_cluster
-from ._connection import AsyncClient
+from ._connection import AsyncClient, _check_client
 
 
 def _sync_client(client: AsyncClient) -> Client:
+    """The synchronous twin of an asyncio client (a URL as it is); anything else is refused
+    as ``accumulator.aio``'s classes refuse it (a synchronous client too)."""
+    import redis.asyncio as aioredis
     from redis.asyncio.cluster import RedisCluster
 
     if client is None or isinstance(client, str):
         return client
     if isinstance(client, RedisCluster):
         return twin_cluster(client)
-    return twin_client(client)
+    if isinstance(client, aioredis.Redis):
+        return twin_client(client)
+    _check_client(client)
+    raise AssertionError  # _check_client raised
 
 
 async def reset_container(container: str, *, client: AsyncClient = None) -> int:
