@@ -14,7 +14,8 @@
 -- renew: {1, ''}, or acquire's refusal when the lease is not this chief's tenure ({0, '', ..}:
 -- no lease at all: a deleted job's lease is not brought back).
 -- release: {1} when the lease was this chief's tenure (deleted), else {0}.
--- publish: renew (or acquire, when there is no lease at all), then, only when the lease is
+-- publish: renew (or acquire, when there is no lease at all and the published hash names this
+-- tenure's last publish; else refused as renew is), then, only when the lease is
 -- this chief's tenure, switch the job to the new version of its parameters, in the same
 -- atomic step (fenced: no chief ever publishes over another). KEYS[2] the published hash
 -- (accsync:{tag}:p)  KEYS[3 .. 2+n] the new version's part keys, written before this call
@@ -79,12 +80,18 @@ if mode == 'renew' and not holder then
 elseif mode ~= 'acquire' and mode ~= 'renew' and not publish then
   return acc_error('BADARG sync_lease')
 end
-if holder and ((mode == 'acquire' and holder ~= ARGV[2] and expires > now)
-    or (mode ~= 'acquire' and not mine)) then
+-- A publish that finds no lease at all takes it only when the job's last publish was this
+-- tenure's (the record expired, or Redis lost it alone): else the successor released it (or
+-- deleted the job, or Redis lost its data), and this chief is as deposed as by a live one.
+local lost_lease = publish and not holder
+  and (redis.call('HMGET', KEYS[2], 'ten')[1] or '') ~= (want.ten or '')
+if lost_lease or (holder and ((mode == 'acquire' and holder ~= ARGV[2] and expires > now)
+    or (mode ~= 'acquire' and not mine))) then
   if publish and not published_here() then
     local n = tonumber(ARGV[7])
     for i = 3, 2 + n, 1000 do redis.call('UNLINK', unpack(KEYS, i, math.min(i + 999, 2 + n))) end
   end
+  if lost_lease then return {0, '', '', '', '0', '0'} end
   local renewed = tonumber(cur[5] or '') or now
   return {0, holder, cur[3] or '', cur[4] or '', int_str(math.max(expires - now, 0)),
     int_str(now - renewed)}

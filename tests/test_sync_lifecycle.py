@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import redis
 from _helpers import take_script
 
 import accumulator
@@ -386,6 +387,108 @@ def test_a_deposed_chief_writes_nothing_of_its_successors_version(target, big):
                                                                                   ps._lease.tenure))
     worker.close()
     successor.close()
+    ps.close()
+
+
+@pytest.mark.parametrize("successor_then", ["closed", "deleted the job", "finished"])
+def test_a_deposed_chief_does_not_publish_once_the_lease_record_is_gone(target, successor_then):
+    """The successor released the lease (close), deleted the job or finished it: no lease
+    record is left. The deposed chief's publish found none and took the lease (its stale
+    parameters published, a finished job unfinished, a deleted one brought back); it is
+    refused, and writes nothing."""
+    ps = ParameterServer("gone", replicas_to_aggregate=1, client=target.client(),
+                         chief_id="first")  # fmt: skip
+    ps.initialize({"w": np.zeros(3)})
+    worker = Worker("gone", client=target.client())
+    step, _ = worker.pull(timeout=5)
+    worker.push(step, {"w": np.ones(3)})
+    key = chief_key(SyncKeys("", "gone"))
+    r = target.redis()
+
+    def paused_meanwhile(params: dict, grads: dict, step: int) -> None:
+        r.hset(key, "expires_ms", 0)
+        successor = ParameterServer("gone", replicas_to_aggregate=1, client=target.client(),
+                                    chief_id="second")  # fmt: skip
+        successor.initialize({"w": np.zeros(3)})
+        if successor_then == "deleted the job":
+            successor.delete()
+        elif successor_then == "finished":
+            successor.finish()
+        successor.close()
+        params["w"] = np.full(3, -7.0)
+
+    before = {k: r.dump(k) for k in r.scan_iter()} if successor_then != "closed" else None
+    with pytest.raises(ChiefConflictError, match="gone"):
+        ps.step(paused_meanwhile, timeout=5)
+    published = r.hgetall(SyncKeys("", "gone").params)
+    if successor_then == "deleted the job":
+        assert list(r.scan_iter(match="accsync:*")) == []
+    else:
+        assert published[b"ten"] != ps._lease.tenure.encode()
+        assert (published[b"done"] == b"1") == (successor_then == "finished")
+        got_step, got = Worker("gone", client=target.client()).pull(timeout=5)
+        np.testing.assert_array_equal(got["w"], np.zeros(3))
+    assert not r.exists(key)  # not taken
+    del before
+    worker.close()
+    ps.close()
+
+
+def test_a_publish_whose_reply_was_lost_is_not_written_again(target, monkeypatch):
+    """The switch landed, its reply was lost: the retry finds the hash naming its version
+    and is done (it wrote every part again, which took away the expiry a successor's publish
+    may have given them since, for good)."""
+    from accumulator.sync import _chief
+
+    ps = ParameterServer("lost", replicas_to_aggregate=1, client=target.client())
+    ps.initialize({"w": np.linspace(0, 1, 400 * 400)})  # parts, written before the switch
+    writes: list[int] = []
+    real_write = _chief.write_parts
+
+    def counted(pipe, keys, data):
+        writes.append(len(keys))
+        return real_write(pipe, keys, data)
+
+    real_switch = _scripts.evalsha_args
+    lost: list[bool] = []
+
+    def reply_lost(name, keys, args):
+        command = real_switch(name, keys, args)
+        if name == "sync_lease" and not lost:
+            lost.append(True)
+            target.redis().execute_command(*command)  # it lands; the reply does not
+            raise redis.ConnectionError("reply lost")
+        return command
+
+    monkeypatch.setattr(_chief, "write_parts", counted)
+    monkeypatch.setattr(_scripts, "evalsha_args", reply_lost)
+    worker = Worker("lost", client=target.client())
+    step, _ = worker.pull(timeout=5)
+    worker.push(step, {"w": np.ones(400 * 400)})
+    assert ps.step(1.0, timeout=5) == 1
+    assert lost == [True] and writes == [len(ps._version_keys(ps._run, 1, ps._lease.tenure))]
+    got_step, got = worker.pull(after=0, timeout=5)
+    np.testing.assert_array_equal(got["w"], np.linspace(0, 1, 400 * 400) - 1)
+    worker.close()
+    ps.close()
+
+
+def test_a_take_cancelled_by_the_guard_renews_and_takes_again(target, monkeypatch):
+    """The guard read "may have run out" when the take looked, and clear again (the lease
+    thread renewed meanwhile) when step() looked: step() raised the take's internal
+    CancelledError instead of renewing and taking again (seen once in a fault drill)."""
+    from accumulator.sync import _lease
+
+    ps = ParameterServer("guard", replicas_to_aggregate=1, client=target.client())
+    ps.initialize({"w": np.zeros(4)})
+    worker = Worker("guard", client=target.client())
+    step, _ = worker.pull(timeout=5)
+    worker.push(step, {"w": np.ones(4)})
+    looks = iter([True])
+    monkeypatch.setattr(_lease._LeaseGuard, "is_set", lambda self: next(looks, False))
+    assert ps.step(1.0, timeout=5) == 1
+    np.testing.assert_array_equal(ps.params["w"], -np.ones(4))
+    worker.close()
     ps.close()
 
 

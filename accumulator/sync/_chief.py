@@ -441,12 +441,21 @@ class ParameterServer(_Job):
             except ResponseError as exc:  # NOSCRIPT comes through as it is
                 _scripts.raise_translated(exc)
 
+        sent: list[bool] = []  # whether an attempt was made (its switch may have landed)
+
         def publish() -> list[Any]:
             # The new version's parts first (one chunk per command), then the switch: readers
             # see either the old step and parameters or the new ones. The previous version
             # stays readable until the next publish, a minute at most (a reader may be in
             # the middle of it); the one before it is deleted in the switch. Sent again
-            # after a fault, it writes the same values.
+            # after a fault, it writes the same values, unless the switch of an attempt
+            # whose reply was lost is in: then it is done (writing the parts again would
+            # take away the expiry a successor's publish gave them since, for good).
+            if sent:
+                named = self.redis.hmget(self.keys.params, ["run", "step", "ten"])
+                if [reply_text(v) for v in named] == [run, str(step), tenure]:
+                    return [1, ""]
+            sent.append(True)
             if not small:
                 pipe = self.redis.pipeline(transaction=False)
                 for keys, data in parts:
@@ -531,8 +540,10 @@ class ParameterServer(_Job):
             ], taken)  # fmt: skip
             failures = [(unit, value) for unit, (ok, value) in zip(todo, outcomes, strict=True)
                         if not ok]  # fmt: skip
-            if not (any(isinstance(exc, CancelledError) for _, exc in failures)
-                    and self._lease.guard.is_set()):  # fmt: skip
+            # (the guard may read clear again by now: the lease thread renewed meanwhile)
+            if not any(isinstance(exc, CancelledError) for _, exc in failures) or any(
+                acc._closed for acc in self._accs.values()  # closed: that CancelledError stands
+            ):
                 break
             # Not renewed for most of its length (this process was paused, or starved): the
             # lease is renewed now, or ChiefConflictError says another chief has the job (the

@@ -176,6 +176,7 @@ class _ChiefLease:
         ``renew`` or a ``publish`` says the lease is no longer this chief's."""
         if int(reply[0]) != 1:
             self.lost = self._lost(reply)
+            self.held = False  # (a later acquire starts a new tenure)
             self._stop.set()
             holder = reply_text(reply[1])
             left = int(reply[4]) / 1000 if holder else None
@@ -200,6 +201,7 @@ class _ChiefLease:
                 continue
             if int(reply[0]) != 1:
                 self.lost = self._lost(reply)
+                self.held = False
                 logger.error("sync job %r: %s", self.job, self.lost)
                 return
             self._renewed = max(self._renewed, sent)
