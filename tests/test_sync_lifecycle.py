@@ -310,20 +310,29 @@ def test_a_chief_that_lost_its_lease_never_publishes(target):
     assert target.redis().hget(key, "id") == b"usurper"  # close() released nothing of theirs
 
 
+def _a_round_in(target, job: str, big: bool, **kw):
+    """A job at step 0 with one worker's round in: (its initial parameters, the chief, the
+    worker, the parameters it pulled). ``big``: w of 1.28 MB, in parts written before the
+    switch (else in the switch's MULTI)."""
+    params = _params()
+    if big:
+        params["w"] = np.linspace(-1.0, 1.0, 400 * 400).reshape(400, 400)
+    ps = ParameterServer(job, replicas_to_aggregate=1, sparse={"emb"}, client=target.client(),
+                         **kw)  # fmt: skip
+    ps.initialize({name: value.copy() for name, value in params.items()})
+    worker = Worker(job, client=target.client())
+    step, pulled = worker.pull(timeout=5)
+    worker.push(step, _grad(params, step, 0))
+    return params, ps, worker, pulled
+
+
 @pytest.mark.parametrize("big", [False, True], ids=["small", "parts-first"])
 def test_a_lease_taken_over_during_the_update_fences_the_publish(target, big):
     """The lease is checked by the publish itself, atomically: a takeover after the step's
     takes (here: while the update runs) leaves the published step, its parameters and no
     part of the refused version behind. ``parts-first``: over a chunk of parameters, so
     the new version's parts are written before the switch, not in its MULTI."""
-    params = _params()
-    if big:
-        params["w"] = np.linspace(-1.0, 1.0, 400 * 400).reshape(400, 400)  # 1.28 MB
-    ps = ParameterServer("fence", replicas_to_aggregate=1, sparse={"emb"}, client=target.client())
-    ps.initialize(params)
-    worker = Worker("fence", client=target.client())
-    step, before = worker.pull(timeout=5)
-    worker.push(step, _grad(params, step, 0))
+    _, ps, worker, before = _a_round_in(target, "fence", big)
     key = chief_key(SyncKeys("", "fence"))
     r = target.redis()
     versions = sorted(r.scan_iter(match=SyncKeys("", "fence").versions_pattern))
@@ -352,16 +361,7 @@ def test_a_deposed_chief_writes_nothing_of_its_successors_version(target, big):
     parameters as they were. Its parts went under the successor's very key names (the
     version's names were (run, step)), so readers got the deposed chief's values, or, over
     a chunk, a mix of both within one tensor."""
-    params = _params()
-    if big:
-        params["w"] = np.linspace(-1.0, 1.0, 400 * 400).reshape(400, 400)  # 1.28 MB
-    ps = ParameterServer("depose", replicas_to_aggregate=1, sparse={"emb"},
-                         client=target.client(), chief_id="first")  # fmt: skip
-    initial = {name: value.copy() for name, value in params.items()}
-    ps.initialize(params)
-    worker = Worker("depose", client=target.client())
-    step, before = worker.pull(timeout=5)
-    worker.push(step, _grad(params, step, 0))
+    initial, ps, worker, before = _a_round_in(target, "depose", big, chief_id="first")
     key = chief_key(SyncKeys("", "depose"))
     r = target.redis()
     successor = ParameterServer("depose", replicas_to_aggregate=1, sparse={"emb"},

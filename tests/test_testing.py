@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import os
 import shutil
 import signal
@@ -311,7 +310,8 @@ def test_atexit_stops_forgotten_server(binary: str, tmp_path: Path) -> None:
 @pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs util-linux's setpriv")
 def test_server_stops_when_its_process_is_killed(binary: str) -> None:
     # SIGTERM at its default action: the interpreter dies without running its exit hooks
-    # (a CI job's timeout, `kill <pytest pid>`); the server must not outlive it.
+    # (a CI job's timeout, `kill <pytest pid>`); the server must not outlive it, nor its
+    # directory the next process that starts a server.
     code = textwrap.dedent(
         f"""
         import os, signal
@@ -325,49 +325,22 @@ def test_server_stops_when_its_process_is_killed(binary: str) -> None:
                           timeout=60)  # fmt: skip
     assert proc.returncode == -signal.SIGTERM
     out = proc.stdout.split()
-    pid, port, workdir = int(out[0]), int(out[1]), out[2]
+    pid, port, workdir = int(out[0]), int(out[1]), Path(out[2])
     try:
         deadline = time.monotonic() + 5
         while _pid_alive(pid) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not _pid_alive(pid)
         assert not _port_answers(port)
+        # nobody ran stop(): its directory stays, until the next process starts a server
+        assert workdir.is_dir()
+        starts = ("from accumulator.testing import RedisServer\n"
+                  f"RedisServer({binary!r}).start().stop()")  # fmt: skip
+        subprocess.run([sys.executable, "-c", starts], timeout=60, check=True)
+        assert not workdir.exists()
     finally:
         if _pid_alive(pid):
             os.kill(pid, signal.SIGKILL)
-        shutil.rmtree(workdir, ignore_errors=True)  # nobody ran stop(): its directory stays
-
-
-@pytest.mark.real
-@pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs util-linux's setpriv")
-def test_the_next_process_removes_a_killed_ones_directory(binary: str) -> None:
-    # the interpreter killed (no exit hooks) leaves its server's directory; the next process
-    # that starts a server removes it
-    code = textwrap.dedent(
-        f"""
-        import os, signal, sys
-        from accumulator.testing import RedisServer
-        srv = RedisServer({binary!r}).start()
-        print(srv.workdir, flush=True)
-        if sys.argv[1] == "kill":
-            os.kill(os.getpid(), signal.SIGTERM)
-        srv.stop()
-        """
-    )
-    run = functools.partial(subprocess.run, capture_output=True, text=True, timeout=60)
-    killed = run([sys.executable, "-c", code, "kill"])
-    workdir = Path(killed.stdout.split()[0])
-    try:
-        deadline = time.monotonic() + 5
-        while (workdir / "owner.pid").exists() and time.monotonic() < deadline:
-            pids = [int(p) for p in (workdir / "owner.pid").read_text().split()]
-            if not any(_pid_alive(p) for p in pids):
-                break
-            time.sleep(0.05)
-        assert workdir.is_dir()  # nobody ran stop()
-        assert run([sys.executable, "-c", code, "stop"]).returncode == 0
-        assert not workdir.exists()
-    finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
