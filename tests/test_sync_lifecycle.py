@@ -514,7 +514,7 @@ def test_a_deposed_chief_does_not_take_the_lease_back_from_a_dead_successor(targ
                           chief_id="same")  # fmt: skip
     r.hset(key, "expires_ms", 0)
     new.initialize({"w": np.zeros(3)})
-    with pytest.raises(ChiefConflictError, match="same"):
+    with pytest.raises(ChiefConflictError, match="started later with this chief's id 'same'"):
         old._lease.check(renew=True)
     old._lease.release()  # refused: the lease stays the new process's
     assert r.hget(key, "tenure") == new._lease.tenure.encode()
