@@ -116,20 +116,20 @@ class _ChiefLease:
         holder, host, pid = reply_text(reply[1]), reply_text(reply[2]), reply_text(reply[3])
         left, age = int(reply[4]) / 1000, int(reply[5]) / 1000
         if holder == self.chief_id:  # another tenure of this very id
-            return ChiefConflictError(
+            message = (
                 f"sync job {self.job!r}: a chief started later with this chief's id "
                 f"{holder!r} (host {host!r}, pid {pid or '?'}) holds the lease now: this one "
                 "is replaced (a restarted chief given the crashed one's id takes over at once; "
-                "never give two live chiefs one id)",
-                job=self.job, holder=holder, expires_in=left,
-            )  # fmt: skip
-        return ChiefConflictError(
-            f"sync job {self.job!r} already has a chief: {holder!r} (host {host!r}, pid "
-            f"{pid or '?'}), lease renewed {age:.1f}s ago, expires in {left:.1f}s. One chief "
-            "per job: stop the other chief; if it crashed, this one may take over once its "
-            "lease has run out (initialize(wait_for_chief=SECONDS) waits for that)",
-            job=self.job, holder=holder, expires_in=left,
-        )  # fmt: skip
+                "never give two live chiefs one id)"
+            )
+        else:
+            message = (
+                f"sync job {self.job!r} already has a chief: {holder!r} (host {host!r}, pid "
+                f"{pid or '?'}), lease renewed {age:.1f}s ago, expires in {left:.1f}s. One "
+                "chief per job: stop the other chief; if it crashed, this one may take over "
+                "once its lease has run out (initialize(wait_for_chief=SECONDS) waits for that)"
+            )
+        return ChiefConflictError(message, job=self.job, holder=holder, expires_in=left)
 
     def acquire(self, wait: float = 0.0) -> None:
         """Take (or renew) the lease; waits up to ``wait`` seconds for another chief's to run
