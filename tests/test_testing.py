@@ -23,20 +23,8 @@ from redis.retry import Retry
 from accumulator import testing
 from accumulator.testing import ENV_BINARY, RedisServer, fake_client, find_server_binary
 
-
-def _pid_alive(pid: int) -> bool:
-    # A zombie (exited, not yet reaped by a container's PID 1) counts as gone.
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except FileNotFoundError:
-        return False
-    except OSError:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        return True
-    return "\nState:\tZ" not in status
+# A zombie (exited, not yet reaped by a container's PID 1) counts as gone.
+_pid_alive = testing._alive
 
 
 def _port_answers(port: int) -> bool:
