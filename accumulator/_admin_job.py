@@ -72,6 +72,9 @@ class ChiefLease:
     """The chief lease of a sync job (times in ms, server clock)."""
 
     chief_id: str
+    #: the token of the chief's acquire (a restarted chief with the same id has a new one);
+    #: '' from a chief of an older version
+    tenure: str
     host: str
     pid: int | None
     since_ms: int | None
@@ -170,7 +173,8 @@ def _chief(raw: Mapping[bytes, bytes], now: int | None) -> ChiefLease | None:
         return None
     expires = _int(raw.get(b"expires_ms"), None)
     return ChiefLease(
-        chief_id=reply_text(raw.get(b"id")), host=reply_text(raw.get(b"host")),
+        chief_id=reply_text(raw.get(b"id")), tenure=reply_text(raw.get(b"tenure")),
+        host=reply_text(raw.get(b"host")),
         pid=_int(raw.get(b"pid"), None), since_ms=_int(raw.get(b"since_ms"), None),
         renewed_ms=_int(raw.get(b"renewed_ms"), None), expires_ms=expires,
         remaining_ms=None if now is None or expires is None else expires - now,

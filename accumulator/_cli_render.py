@@ -275,7 +275,8 @@ def render_show(info: _admin.Info, prev: _admin.Info | None = None) -> list[str]
 def _lease_text(chief: _admin.ChiefLease | None, now: int | None) -> str:
     if chief is None:
         return "none (no chief holds the lease)"
-    who = f"{chief.chief_id} (host {chief.host or '?'}, pid {chief.pid or '?'})"
+    tenure = f", tenure {chief.tenure}" if chief.tenure else ""
+    who = f"{chief.chief_id} (host {chief.host or '?'}, pid {chief.pid or '?'}{tenure})"
     if chief.remaining_ms is None:
         return f"{who}, lease n/a"
     if chief.live:

@@ -821,7 +821,9 @@ def test_job_shows_step_chief_workers_and_parameters(real: Target) -> None:
         assert text.startswith("sync job 'j1'\n")
         assert re.search(r"published step\s+1 \(running\)", text)
         assert re.search(r"aggregation\s+2 gradients per parameter per step, MEAN", text)
-        assert re.search(r"chief\s+chief-1 \(host .*, pid \d+\), lease renewed .* left", text)
+        assert re.search(
+            r"chief\s+chief-1 \(host .*, pid \d+, tenure [0-9a-f]{8}\), lease renewed .* left", text
+        )
         assert re.search(r"pushes\s+4 \(3 accepted, 1 stale, 0 partly stale\)", text)
         rows = text.split("workers (3)\n", 1)[1].split("\n\n", 1)[0].splitlines()
         assert rows[0].split() == [
@@ -841,6 +843,7 @@ def test_job_shows_step_chief_workers_and_parameters(real: Target) -> None:
         data = json.loads(ok(cli("job", "j1", "--json", "--url", real.url)))
         assert (data["job"], data["step"], data["done"], data["replicas"]) == ("j1", 1, False, 2)
         assert data["chief"]["chief_id"] == "chief-1" and data["chief"]["live"]
+        assert data["chief"]["tenure"] == ps._lease.tenure
         seen = [(w["worker_id"], w["pushes"], w["stale"], w["accepted"]) for w in data["workers"]]
         assert seen == [("w0", 2, 0, 2), ("w1", 1, 0, 1), ("w2", 1, 1, 0)]
         assert all(w["last_seen_ms"] > 0 for w in data["workers"])
