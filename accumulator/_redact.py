@@ -80,6 +80,15 @@ def _parse(url: str) -> _Parts:
         and not (_host_port(rest[:end]) and "?" in rest[end:last])
     ):
         at = last
+    # An "@" in the authority and another one after it: a password holding both "@" and "/",
+    # "?" or "#" (redis://:Ab@c/Def@host:6379); masked up to the last "@", unless a query
+    # comes between (an "@" in a query value: ?client_name=a@b) and what follows the last "@"
+    # is no host:port. Masking too much is the safe side.
+    if 0 <= at < end < last:
+        after = rest[last + 1 :]
+        cut = min((i for i in (after.find(c) for c in "/?#") if i >= 0), default=len(after))
+        if "?" not in rest[end:last] or _host_port(after[:cut]):
+            at = last
     if at >= 0:
         userinfo, rest = rest[:at], rest[at + 1 :]
         name, colon, secret = userinfo.partition(":")
