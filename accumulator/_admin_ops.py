@@ -85,12 +85,21 @@ def set_step(
 def reset(
     r: redis.Redis, shared_name: str, container: str = "", *, prefix: str = DEFAULT_PREFIX
 ) -> int:
-    """Drop the pending round (its gradients and payload keys); the step does not change.
-    Waiting takers keep waiting. Returns the number of gradients dropped."""
+    """Drop the pending round (its gradients and payload keys) and the rounds claimed by
+    takers that are gone (their claim lease ran out: the next take would take them over); the
+    step does not change. Waiting takers keep waiting; a claim whose lease runs is left to its
+    taker. Returns the number of gradients dropped, those of such claims included."""
+    return reset_counted(r, shared_name, container, prefix=prefix)[0]
+
+
+def reset_counted(
+    r: redis.Redis, shared_name: str, container: str = "", *, prefix: str = DEFAULT_PREFIX
+) -> tuple[int, int]:
+    """:func:`reset`, returning (gradients dropped, how many of them were in claims)."""
     keys = Keys(container, shared_name, prefix)
     try:
-        dropped, *blobs = _scripts.call(
-            r, "reset", [keys.state, keys.grads, keys.quarantine, keys.orphans],
+        dropped, in_claims, *blobs = _scripts.call(
+            r, "reset", [keys.state, keys.grads, keys.quarantine, keys.orphans, keys.claims],
             [schema_of(r, keys)],
         )  # fmt: skip
     except NotFoundError as exc:
@@ -98,7 +107,7 @@ def reset(
     blobs = [b for b in blobs if keys.is_blob(b)]  # the script returns only ours; twice sure
     _unlink(r, blobs)
     _sweep_after(r, keys, "was reset")  # the spread payloads it dropped
-    return int(dropped)
+    return int(dropped), int(in_claims)
 
 
 def delete(

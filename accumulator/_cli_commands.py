@@ -9,7 +9,7 @@ import json
 import time
 from typing import Any
 
-from . import _admin
+from . import _admin, _admin_ops
 from ._cli_context import EXIT_ERROR, EXIT_OK, EXIT_USAGE, CliError, Context, arg, command, esc
 from ._cli_render import (
     _unreadable,
@@ -142,10 +142,28 @@ def _watch(ctx: Context, args: argparse.Namespace) -> int:
         return EXIT_OK
 
 
+def _stranded(info: _admin.Info) -> list[_admin.LeftClaim]:
+    """The claimed rounds of takers that are gone (lease run out): the next take takes them
+    over, as they were."""
+    return [
+        c for c in info.claims if c.lease_remaining_ms is not None and c.lease_remaining_ms <= 0
+    ]
+
+
+def _in_claims(info: _admin.Info) -> str:
+    """', N gradients in M claimed rounds of takers that are gone' when there are."""
+    left = _stranded(info)
+    if not left:
+        return ""
+    return (f", {plural(sum(c.count for c in left), 'gradient')} in "
+            f"{plural(len(left), 'claimed round')} of takers that are gone")  # fmt: skip
+
+
 @command(
     "set-step",
     "set the global step (also downwards); the pending round is kept; asks first when the "
-    "accumulator is live (pending gradients or waiting takers)",
+    "accumulator is live (pending gradients, waiting takers, or rounds claimed by takers that are "
+    "gone)",
     arg("name", help="its shared_name"),
     arg("step", type=int, metavar="N", help="the new global step"),
     destructive=True,
@@ -153,10 +171,10 @@ def _watch(ctx: Context, args: argparse.Namespace) -> int:
 def _set_step(ctx: Context, args: argparse.Namespace) -> int:
     r = ctx.connect()
     info = _admin.describe(r, args.name, ctx.scope, memory=False)
-    if info.count or info.takers_waiting:
+    if info.count or info.takers_waiting or _stranded(info):
         live = (
             f"{plural(info.count, 'pending gradient')} at step {info.step}, "
-            f"{plural(info.takers_waiting, 'waiting taker')}"
+            f"{plural(info.takers_waiting, 'waiting taker')}{_in_claims(info)}"
         )
         ctx.confirm(
             f"{_where(args.name, ctx.scope)} is live: {live}. Set its global step "
@@ -185,17 +203,18 @@ def _reset(ctx: Context, args: argparse.Namespace) -> int:
     info = _admin.describe(r, args.name, ctx.scope, memory=False)
     ctx.confirm(
         f"Drop the {plural(info.count, 'pending gradient')} "
-        f"({fmt_bytes(info.bytes)}) of {_where(args.name, ctx.scope)}?",
+        f"({fmt_bytes(info.bytes)}){_in_claims(info)} of {_where(args.name, ctx.scope)}?",
         args.yes,
         f"reset {esc(args.name, quote=True)}",
     )
-    dropped = _admin.reset(r, args.name, ctx.scope)
+    dropped, in_claims = _admin_ops.reset_counted(r, args.name, ctx.scope)
     if ctx.json:
-        ctx.dump({"container": ctx.scope, "name": args.name, "dropped": dropped})
+        ctx.dump({"container": ctx.scope, "name": args.name, "dropped": dropped,
+                  "dropped_from_claims": in_claims})  # fmt: skip
     else:
-        ctx.write(
-            f"reset {_where(args.name, ctx.scope)}: dropped {plural(dropped, 'pending gradient')}"
-        )
+        gone = f" ({in_claims} of them in claimed rounds of takers that are gone)"
+        ctx.write(f"reset {_where(args.name, ctx.scope)}: dropped "
+                  f"{plural(dropped, 'pending gradient')}{gone if in_claims else ''}")  # fmt: skip
     return EXIT_OK
 
 

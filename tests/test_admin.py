@@ -61,19 +61,23 @@ def _wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
         time.sleep(0.02)
 
 
-def _claim_round(r: redis.Redis, name: str, taker: str, num_required: int) -> Any:
+def _claim_round(
+    r: redis.Redis, name: str, taker: str, num_required: int, claim_lease_ms: int = 30_000
+) -> Any:
     """Claim the pending round the way a take does, then 'crash' before reading it."""
     k = Keys("", name)
     checked: list[bytes] = []
     while True:
-        reply = _claim_once(r, k, taker, num_required, checked)
+        reply = _claim_once(r, k, taker, num_required, checked, claim_lease_ms)
         if int(reply[0]) != 2:
             return reply
         for entry in reply[1]:  # spread payloads: checked as a take checks them
             checked += [entry, b"%d" % sum(r.strlen(key) for key in entry_key_names(entry))]
 
 
-def _claim_once(r: redis.Redis, k: Keys, taker: str, num_required: int, checked: list) -> Any:
+def _claim_once(
+    r: redis.Redis, k: Keys, taker: str, num_required: int, checked: list, claim_lease_ms: int
+) -> Any:
     return _scripts.call(
         r,
         "take",
@@ -89,7 +93,8 @@ def _claim_once(r: redis.Redis, k: Keys, taker: str, num_required: int, checked:
             k.claims,
             k.orphans,
         ],  # no earlier take's retry buffer to delete
-        [schema_of(r, k), taker, num_required, 15_000, "d", 4, 30_000, 0, "", len(checked) // 2,
+        [schema_of(r, k), taker, num_required, 15_000, "d", 4, claim_lease_ms, 0, "",
+         len(checked) // 2,
          *checked],
     )
 
@@ -398,6 +403,31 @@ def test_reset_drops_pending_gradients(make: Callable[..., Any], r: redis.Redis)
     np.testing.assert_array_equal(acc.take_grad(1), np.full(BIG, 2.0))
     with pytest.raises(accumulator.NotFoundError):
         _admin.reset(r, "nope")
+
+
+def test_reset_drops_the_rounds_of_takers_that_are_gone(
+    make: Callable[..., Any], r: redis.Redis
+) -> None:
+    # Left as it was, the next take would take such a round over: a reset brought it back.
+    acc = make("stranded", shape=BIG)
+    k = Keys("", "stranded")
+    acc.apply_grad(np.full(BIG, 7.0), local_step=0)
+    _claim_round(r, "stranded", "5-a11e", 1)  # a taker reading its round: not touched
+    acc.apply_grad(np.ones(BIG), local_step=1)
+    acc.apply_grad(np.ones(BIG), local_step=1)
+    _claim_round(r, "stranded", "4-dead", 2, claim_lease_ms=0)  # its lease ran out at once
+    gone = [key for e in r.lrange(k.claim("4-dead"), 1, -1) for key in entry_key_names(e)]
+    assert gone and r.exists(*gone) == len(gone)
+    acc.apply_grad(np.full(BIG, 3.0), local_step=2)
+
+    assert _admin_ops.reset_counted(r, "stranded") == (3, 2)
+    assert r.exists(k.claim("4-dead"), *gone) == 0
+    assert r.hkeys(k.claims) == [b"5-a11e"] and r.exists(k.claim("5-a11e"))
+    info = _admin.describe(r, "stranded")
+    assert (info.count, info.step, [c.taker_id for c in info.claims]) == (0, 2, ["5-a11e"])
+    acc.apply_grad(np.full(BIG, 2.0), local_step=2)
+    np.testing.assert_array_equal(acc.take_grad(1), np.full(BIG, 2.0))  # not the old round
+    assert _admin.reset(r, "stranded") == 0
 
 
 def test_reset_keeps_waiting_takers(make: Callable[..., Any], r: redis.Redis) -> None:

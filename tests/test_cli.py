@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pytest
 import redis
+from _helpers import take_script
 
 import accumulator
 from accumulator import _admin, _cli, _scripts
@@ -409,7 +410,25 @@ def test_reset(real: Target, make: Callable[..., Any]) -> None:
     assert out.strip() == "reset 'r': dropped 2 pending gradients"
     assert acc.num_accumulated() == 0 and acc.global_step() == 0
     data = json.loads(ok(cli("reset", "r", "-y", "--json", "--url", real.url)))
-    assert data == {"container": "", "name": "r", "dropped": 0}
+    assert data == {"container": "", "name": "r", "dropped": 0, "dropped_from_claims": 0}
+
+
+def test_reset_and_set_step_name_the_rounds_of_takers_that_are_gone(
+    real: Target, make: Callable[..., Any]
+) -> None:
+    acc = make("gone")
+    acc.apply_grad(np.ones(SHAPE), local_step=0)
+    acc.apply_grad(np.ones(SHAPE), local_step=0)
+    take_script(acc, "7-dead", 2, 15_000, claim_ms=0)  # claimed; its taker died at once
+    # set-step asks: the next take would hand that round over as it was
+    err = failed(cli("set-step", "gone", "9", "--url", real.url), 2)
+    assert "2 gradients in 1 claimed round of takers that are gone" in err
+    acc.apply_grad(np.full(SHAPE, 5.0), local_step=1)
+    out = ok(cli("reset", "gone", "--yes", "--url", real.url))
+    assert out.strip() == ("reset 'gone': dropped 3 pending gradients (2 of them in claimed "
+                           "rounds of takers that are gone)")  # fmt: skip
+    acc.apply_grad(np.full(SHAPE, 2.0), local_step=1)
+    np.testing.assert_array_equal(acc.take_grad(1, timeout=5), np.full(SHAPE, 2.0))
 
 
 def test_delete(real: Target, make: Callable[..., Any]) -> None:
