@@ -39,6 +39,11 @@ logger = logging.getLogger("accumulator")
 
 #: Seconds one blocking wait (BLPOP) lasts before the taker re-checks and renews its lease.
 WAIT_SLICE = 2.0
+#: Socket timeout of the connections of blocking waits: a slice plus the take script that rides
+#: behind the BLPOP (its reply holds at most 128 KiB of payloads). Not the commands' timeout
+#: (30 s): a wait on a node that stopped answering (frozen, partitioned: the failover case)
+#: would outlast the take's own deadline by that much.
+BLOCKING_TIMEOUT = WAIT_SLICE + 5.0
 #: Above this size an argument is sent as its own buffer (no copy into one command buffer).
 _BIG_ARG = 64 * 1024
 
@@ -456,7 +461,7 @@ def _new(client: Any) -> tuple[redis.Redis, redis.Redis]:
         source = plain if plain is not None else client
         commands = _cluster(source, SOCKET_TIMEOUT)
         try:
-            return commands, _cluster(source, WAIT_SLICE + max(5.0, SOCKET_TIMEOUT))
+            return commands, _cluster(source, BLOCKING_TIMEOUT)
         except BaseException:
             commands.close()
             raise
@@ -474,7 +479,7 @@ def _new(client: Any) -> tuple[redis.Redis, redis.Redis]:
     commands = _derive(pool, limit=True, command_packer=_PACKER, decode_responses=False,
                        socket_timeout=timeout)  # fmt: skip
     blocking = _derive(pool, limit=False, command_packer=_PACKER, decode_responses=False,
-                       socket_timeout=WAIT_SLICE + max(5.0, timeout))  # fmt: skip
+                       socket_timeout=BLOCKING_TIMEOUT)  # fmt: skip
     if owned:
         base.close()
     return commands, blocking

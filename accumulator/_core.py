@@ -12,7 +12,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import redis
 from redis.client import PubSub
@@ -313,4 +313,11 @@ class AccumulatorBase(AccumulatorModel):
                 raise
             logger.debug("wait on %s interrupted: %s", self._keys.base, exc)
             time.sleep(0.05)  # a refused reconnect fails at once: do not spin
+            if self._cluster:
+                # the node may be gone for good (failed over): waits route by the blocking
+                # client's own slot map, which only a MOVED reply refreshed
+                try:
+                    cast(Any, self._conns.blocking).nodes_manager.initialize()
+                except Exception as again:  # noqa: BLE001 - the caller re-checks anyway
+                    logger.debug("refreshing the slot map failed: %s", again)
             return False

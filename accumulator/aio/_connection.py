@@ -23,7 +23,7 @@ from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import ResponseError
 
 from .. import _scripts
-from .._connection import WAIT_SLICE, node_settings, release, sentinel_pool_like
+from .._connection import BLOCKING_TIMEOUT, node_settings, release, sentinel_pool_like
 from .._direct import as_pipeline_reply, direct, direct_pool
 from .._routing import raise_first_error
 from .._urls import (
@@ -273,13 +273,13 @@ def connect(client: AsyncClient) -> AsyncConnections:
         if plain is not None or isinstance(client, AsyncRedisCluster):
             source = plain if plain is not None else client
             commands = _cluster(source, SOCKET_TIMEOUT)
-            blocking = _cluster(source, WAIT_SLICE + max(5.0, SOCKET_TIMEOUT))
+            blocking = _cluster(source, BLOCKING_TIMEOUT)
             _SHARED[key] = _Entry(commands, blocking, 1, origin, loop)
             return AsyncConnections(commands, blocking, key)
         base = _url_client(client) if isinstance(client, str) else client
         pool = base.connection_pool
         timeout = pool.connection_kwargs.get("socket_timeout") or SOCKET_TIMEOUT
         commands = _derive(pool, limit=True, socket_timeout=timeout)
-        blocking = _derive(pool, limit=False, socket_timeout=WAIT_SLICE + max(5.0, timeout))
+        blocking = _derive(pool, limit=False, socket_timeout=BLOCKING_TIMEOUT)
         _SHARED[key] = _Entry(commands, blocking, 1, origin, loop)
         return AsyncConnections(commands, blocking, key)

@@ -9,7 +9,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import redis
 import redis.asyncio as aioredis
@@ -467,6 +467,13 @@ class AccumulatorBase(AccumulatorModel):
                 raise
             logger.debug("wait on %s interrupted: %s", self._keys.base, exc)
             await asyncio.sleep(0.05)  # a refused reconnect fails at once: do not spin
+            blocking = None if self._conns is None else self._conns.blocking
+            if blocking is not None and is_cluster(blocking):
+                # the node may be gone for good (failed over): a fresh slot map for the waits
+                try:
+                    await cast(Any, blocking).nodes_manager.initialize()
+                except Exception as again:  # noqa: BLE001 - the caller re-checks anyway
+                    logger.debug("refreshing the slot map failed: %s", again)
             return False
 
 
