@@ -266,15 +266,29 @@ def twin_cluster(client: Any) -> RedisCluster:
     return RedisCluster(startup_nodes=[ClusterNode(n.host, n.port) for n in nodes], **kwargs)
 
 
+def tls_settings(connection_kwargs: dict[str, Any], target: Any) -> dict[str, Any]:
+    """The TLS settings among a client's connection settings that ``target`` (a client class)
+    takes: every ``ssl_*`` one it has a parameter for (CA, certificate, host name check,
+    minimum version, ...), and ``ssl=True`` when they name a TLS connection class (how
+    redis-py's asyncio clients record ``ssl=True``)."""
+    params = inspect.signature(target).parameters
+    out = {k: v for k, v in connection_kwargs.items() if k.startswith("ssl") and k in params}
+    if "SSL" in getattr(connection_kwargs.get("connection_class"), "__name__", ""):
+        out["ssl"] = True
+    if "ssl" not in params:
+        out.pop("ssl", None)
+    return out
+
+
 def node_settings(connection_kwargs: dict[str, Any]) -> dict[str, Any]:
     """What a client of one node needs from an asyncio cluster client's connection settings:
-    credentials, timeouts, name, protocol, and TLS."""
+    credentials, timeouts, name, protocol, and TLS (all of it)."""
+    from redis.asyncio import Redis as AsyncRedis
+
     kwargs = {k: v for k, v in connection_kwargs.items()
               if k in ("username", "password", "client_name", "protocol", "socket_timeout",
                        "socket_connect_timeout")}  # fmt: skip
-    if "SSL" in getattr(connection_kwargs.get("connection_class"), "__name__", ""):
-        kwargs["ssl"] = True
-    return kwargs
+    return {**kwargs, **tls_settings(connection_kwargs, AsyncRedis)}
 
 
 def _is_valkey(client: object) -> bool:
@@ -402,9 +416,11 @@ def _cluster(client: RedisCluster | str, socket_timeout: float) -> Any:
         return _zero_copy_nodes(new_cluster(lambda: RedisCluster.from_url(url, **settings)))
     from redis.cluster import ClusterNode
 
-    kwargs: dict[str, Any] = {k: v for k, v in client.nodes_manager.connection_kwargs.items()
-              if k in ("username", "password", "ssl", "ssl_ca_certs", "ssl_certfile",
-                       "ssl_keyfile", "ssl_cert_reqs", "client_name", "protocol")}  # fmt: skip
+    given = client.nodes_manager.connection_kwargs
+    kwargs: dict[str, Any] = {k: v for k, v in given.items()
+              if k in ("username", "password", "client_name", "protocol",
+                       "max_connections")}  # fmt: skip
+    kwargs.update(tls_settings(given, redis.Redis))  # (what RedisCluster passes on to nodes)
     nodes = [ClusterNode(n.host, n.port) for n in client.get_nodes()]
     return _zero_copy_nodes(
         new_cluster(lambda: RedisCluster(startup_nodes=nodes, **kwargs, **settings))

@@ -315,3 +315,25 @@ def test_a_cluster_url_of_a_plain_server_is_a_clear_error(real) -> None:
                                            retry_window=5)  # fmt: skip
     with pytest.raises(accumulator.InvalidArgumentError, match="no cluster node"):
         asyncio.run(_aio_open(url))
+
+
+def test_every_tls_setting_of_a_cluster_client_is_kept() -> None:
+    # (a TLS cluster with a CA and no host name check was unreachable through ours: only ssl,
+    # the CA and the key pair were copied; the asyncio client's ssl=True was lost entirely)
+    from redis.asyncio import Redis as AsyncRedis
+    from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
+    from redis.asyncio.connection import SSLConnection
+
+    given = {"host": "h", "ssl": True, "ssl_ca_certs": "ca.pem", "ssl_check_hostname": False,
+             "ssl_ca_data": "PEM", "ssl_cert_reqs": "required", "ssl_unknown_to_redis_py": 1}
+    assert _connection.tls_settings(given, redis.Redis) == {
+        "ssl": True, "ssl_ca_certs": "ca.pem", "ssl_check_hostname": False,
+        "ssl_ca_data": "PEM", "ssl_cert_reqs": "required",
+    }  # fmt: skip
+    aio = {"connection_class": SSLConnection, "ssl_ca_certs": "ca.pem",
+           "ssl_check_hostname": False, "password": "pw"}  # fmt: skip
+    want = {"ssl": True, "ssl_ca_certs": "ca.pem", "ssl_check_hostname": False}
+    assert _connection.tls_settings(aio, AsyncRedisCluster) == want
+    assert _connection.node_settings(aio) == {**want, "password": "pw"}
+    assert _connection.tls_settings({"ssl_ca_certs": "x"}, AsyncRedis) == {"ssl_ca_certs": "x"}
+    assert _connection.tls_settings({"host": "h"}, redis.Redis) == {}

@@ -23,7 +23,7 @@ from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import ResponseError
 
 from .. import _scripts
-from .._connection import BLOCKING_TIMEOUT, node_settings, release, sentinel_pool_like
+from .._connection import BLOCKING_TIMEOUT, node_settings, release, sentinel_pool_like, tls_settings
 from .._direct import as_pipeline_reply, direct, direct_pool
 from .._routing import raise_first_error
 from .._urls import (
@@ -211,9 +211,11 @@ def _cluster(client: Any, socket_timeout: float) -> Any:
         return AsyncRedisCluster.from_url(client, **settings)
     from redis.asyncio.cluster import ClusterNode
 
-    kwargs: dict[str, Any] = {k: v for k, v in client.connection_kwargs.items()
-                              if k in ("username", "password", "ssl", "ssl_ca_certs",
-                                       "ssl_certfile", "ssl_keyfile", "client_name")}  # fmt: skip
+    given = client.connection_kwargs
+    kwargs: dict[str, Any] = {k: v for k, v in given.items()
+                              if k in ("username", "password", "client_name",
+                                       "max_connections")}  # fmt: skip
+    kwargs.update(tls_settings(given, AsyncRedisCluster))
     nodes = [ClusterNode(n.host, n.port) for n in client.get_nodes()] or [
         ClusterNode(n.host, n.port) for n in client.startup_nodes
     ]  # fmt: skip
