@@ -144,11 +144,8 @@ class Context:
 
     def has_password(self) -> bool:
         """Whether a password will be sent: one in the URL, else ``$REDISCLI_AUTH``."""
-        try:
-            in_url = parse_url(self.url).get("password") is not None
-        except ValueError:
-            in_url = False
-        return in_url or bool(self.password)
+        # (any scheme: redis-py's parse_url refuses cluster and sentinel URLs)
+        return bool(url_secrets(self.url)) or bool(self.password)
 
     def connection_options(self) -> dict[str, Any]:
         """Keyword arguments of the connection pool: the URL's (as ``redis.from_url`` reads
@@ -185,6 +182,20 @@ class Context:
             **options,  # the URL's own settings win, as with redis.from_url
         }
 
+    def _sentinel_options(self) -> dict[str, Any]:
+        """``--user``, ``$REDISCLI_AUTH``, ``--tls`` and ``--tls-ca-cert`` for the primary a
+        ``redis+sentinel://`` URL names (the URL's own user and password win)."""
+        extra: dict[str, Any] = {}
+        if self.user:
+            extra["username"] = self.user
+        if self.password:
+            extra["password"] = self.password
+        if self.tls or self.tls_ca_cert:
+            extra["ssl"] = True
+        if self.tls_ca_cert:
+            extra["ssl_ca_certs"] = self.tls_ca_cert
+        return extra
+
     def connect(self) -> redis.Redis:
         """A checked connection (PING answered); raises :class:`CliError` when impossible."""
         if self._client is not None:
@@ -202,7 +213,7 @@ class Context:
                 extra["password"] = self.password
             if self.tls_ca_cert:
                 extra["ssl_ca_certs"] = self.tls_ca_cert
-            if self.tls and plain.startswith("redis://"):
+            if (self.tls or self.tls_ca_cert) and plain.startswith("redis://"):
                 plain = "rediss://" + plain[len("redis://") :]
             url = plain
             cluster = new_cluster(lambda: RedisCluster.from_url(
@@ -213,7 +224,7 @@ class Context:
             # the admin functions use only what both clients serve (keys route by slot)
             self._client = cast(redis.Redis, cluster)
             return self._client
-        managed = sentinel_client(self.url)
+        managed = sentinel_client(self.url, **self._sentinel_options())
         if managed is not None:  # redis+sentinel://: the primary the Sentinels name
             managed.ping()
             self._client = managed

@@ -454,9 +454,11 @@ def _zero_copy_nodes(client: RedisCluster) -> RedisCluster:
     return client
 
 
-def sentinel_client(url: str) -> redis.Redis | None:
+def sentinel_client(url: str, **extra: Any) -> redis.Redis | None:
     """The Sentinel-managed client of a ``redis+sentinel://`` URL (:func:`sentinel_parts`),
-    else None. No I/O."""
+    else None. No I/O. ``extra``: more options of the primary's connections (the CLI's
+    ``--user``, ``$REDISCLI_AUTH``, ``--tls``: ``ssl=True``, ``ssl_ca_certs``); the URL's own
+    user and password win."""
     parts = sentinel_parts(url)
     if parts is None:
         return None
@@ -464,7 +466,7 @@ def sentinel_client(url: str) -> redis.Redis | None:
 
     addresses, service, options = parts
     client: redis.Redis = Sentinel(addresses, socket_timeout=CONNECT_TIMEOUT).master_for(
-        service, **options
+        service, **{**extra, **options}
     )
     return client
 
