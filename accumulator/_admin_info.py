@@ -182,6 +182,11 @@ def _info(
     kind, dtype, shape, reduction, def_error = _definition(state.get(b"def"))
     stats: dict[str, Any] = {s: _int(state.get(s.encode())) or 0 for s in _STATS}
     rshape = state.get(b"rshape")
+    try:
+        round_shape = parse_shape_token(rshape) if rshape is not None else None
+    except (ValueError, TypeError):  # written by something else than our scripts
+        round_shape = None
+        def_error = def_error or f"unreadable round shape {rshape!r}"
     return Info(
         container=container,
         shared_name=name,
@@ -192,7 +197,7 @@ def _info(
         schema=reply_text(state.get(b"schema")),
         step=_int(state.get(b"step")) or 0,
         count=_int(state.get(b"count")) or 0,
-        round_shape=parse_shape_token(rshape) if rshape is not None else None,
+        round_shape=round_shape,
         bytes=_int(state.get(b"bytes")) or 0,
         gen=_int(state.get(b"gen")) or 0,
         takers_waiting=takers_waiting,

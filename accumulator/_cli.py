@@ -50,6 +50,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -73,6 +74,7 @@ from ._cli_context import (
     CONNECT_TIMEOUT,
     EXIT_CONNECT,
     EXIT_ERROR,
+    EXIT_INTERNAL,
     EXIT_NOT_FOUND,
     EXIT_OK,
     EXIT_USAGE,
@@ -92,6 +94,8 @@ from ._errors import (
 )
 from ._redact import scrub, url_secrets
 from ._urls import default_url
+
+logger = logging.getLogger("accumulator")
 
 __all__ = [
     "AUTH_ENV",
@@ -341,7 +345,11 @@ def _translate(ctx: Context, exc: BaseException) -> CliError:
         return CliError(EXIT_ERROR, str(exc), "permission")
     if isinstance(exc, (AccumulatorError, redis.RedisError)):
         return CliError(EXIT_ERROR, f"{type(exc).__name__}: {exc}", "server")
-    raise exc
+    # anything else is a bug of ours (or of what we read): one line, its own exit code, the
+    # traceback in the debug log
+    logger.debug("unexpected error", exc_info=exc)
+    text = scrub(f"{type(exc).__name__}: {exc}", url_secrets(ctx.url))
+    return CliError(EXIT_INTERNAL, f"internal error: {text} (please report it)", "internal")
 
 
 def main(

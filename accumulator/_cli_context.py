@@ -21,7 +21,7 @@ from redis.connection import SSLConnection, UnixDomainSocketConnection, parse_ur
 from redis.retry import Retry
 
 from ._connection import TLSConnection, new_cluster, sentinel_client
-from ._redact import redact_url, url_secrets
+from ._redact import redact_url, scrub, url_secrets
 from ._urls import cluster_url, scheme_problem
 
 EXIT_OK = 0
@@ -29,6 +29,8 @@ EXIT_NOT_FOUND = 1
 EXIT_USAGE = 2
 EXIT_CONNECT = 3
 EXIT_ERROR = 4
+#: A failure of ours (sysexits' EX_SOFTWARE), not of the server or the input.
+EXIT_INTERNAL = 70
 
 CONNECT_TIMEOUT = 5.0
 COMMAND_TIMEOUT = 30.0
@@ -180,6 +182,7 @@ class Context:
             "socket_timeout": COMMAND_TIMEOUT,
             "retry": Retry(NoBackoff(), 1),
             **options,  # the URL's own settings win, as with redis.from_url
+            "decode_responses": False,  # (but this one: every reader here expects bytes)
         }
 
     def _sentinel_options(self) -> dict[str, Any]:
@@ -200,6 +203,15 @@ class Context:
         """A checked connection (PING answered); raises :class:`CliError` when impossible."""
         if self._client is not None:
             return self._client
+        try:
+            return self._connect()
+        except (ValueError, TypeError) as exc:  # a URL redis-py cannot read ('redis://[::1/0')
+            raise CliError(
+                EXIT_USAGE, f"invalid --url {esc(redact_url(self.url), quote=True)}: "
+                f"{scrub(str(exc), url_secrets(self.url))}", "usage",
+            ) from exc  # fmt: skip
+
+    def _connect(self) -> redis.Redis:
         problem = scheme_problem(self.url)
         if problem is not None:
             raise CliError(

@@ -541,10 +541,37 @@ def test_usage_errors_exit_2(real: Target) -> None:
     assert "must be > 0" in failed(cli("watch", "x", "--interval", "0", "--url", real.url), 2)
     failed(cli("set-step", "x", "not-a-number", "--url", real.url), 2)
     assert "invalid --url" in failed(cli("ls", "--url", "http://example.com"), 2)
+    for url in ("redis://[::1/0", "redis+sentinel://x"):  # (tracebacks and exit 1 before)
+        assert "invalid --url" in failed(cli("ls", "--url", url), 2)
     help_text = ok(cli("--help"))
     for name in ("ls", "show", "watch", "set-step", "reset", "delete", "reset-container", "job",
                  "demo"):  # fmt: skip
         assert re.search(rf"^    {name} ", help_text, re.MULTILINE), name  # a subcommand row
+
+
+def test_what_the_cli_cannot_read_is_no_traceback(
+    real: Target, make: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    make("fine").apply_grad(np.ones(SHAPE), local_step=0)
+    make("odd")
+    real.redis().hset(Keys("", "odd").state, "rshape", "x,y")  # not ours
+    for command in (["ls"], ["show", "odd"], ["watch", "--count", "1"]):
+        out = ok(cli(*command, "--url", real.url))  # one bad entry takes nothing down
+        assert "odd" in out
+    assert "fine" in ok(cli("ls", "--url", real.url))
+    # a URL asking for str replies: ours read bytes all the same
+    if real.kind != "cluster":  # (redis+cluster:// passes no such option on)
+        ok(cli("ls", "--url", real.url + "?decode_responses=true"))
+
+    # anything unforeseen: one line, exit 70, not a traceback and "not found"'s 1
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise KeyError("surprise")
+
+    monkeypatch.setattr(_admin, "list_accumulators", broken)
+    err, out = io.StringIO(), io.StringIO()
+    assert _cli.main(["ls", "--url", real.url], stdout=out, stderr=err) == 70
+    want = "accumulator: internal error: KeyError: 'surprise' (please report it)\n"
+    assert err.getvalue() == want
 
 
 # -- in-process: confirmation on a terminal, the command table ----------------------------------
