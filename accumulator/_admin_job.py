@@ -6,8 +6,10 @@ uses itself."""
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
+import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
@@ -21,8 +23,10 @@ from . import _fusion, _scripts
 from ._admin_info import _int, _server_ms, live_takers, queue_time
 from ._admin_ops import delete
 from ._codec import reply_text, resolve_dtype
-from ._errors import InvalidArgumentError, NotFoundError
+from ._errors import InvalidArgumentError, NotFoundError, ResourceExhaustedError
 from ._keys import DEFAULT_PREFIX, SYNC_PREFIX, Keys, SyncKeys, is_done_mark
+
+logger = logging.getLogger("accumulator")
 
 
 def chief_lease_key(keys: SyncKeys) -> str:
@@ -326,7 +330,7 @@ def delete_job(
                 removed += delete(r, f"{job}/{name}", container, prefix=prefix)
             except NotFoundError:
                 continue
-            lease.acquire()  # (renewed: a model of many accumulators takes a while)
+            lease.renew()  # (a model of many accumulators takes a while)
         removed += int(r.unlink(keys.params, keys.stats))
         removed += delete_param_versions(r, keys)
     finally:
@@ -353,6 +357,7 @@ class _AdminLease:
         self._args = [self._id, int(self.SECONDS * 1000), socket.gethostname(), os.getpid(), 0]
         self.held = False
         self.previous = 0
+        self._since = 0.0  # when it was taken or last renewed (monotonic)
 
     def acquire(self) -> str | None:
         """Take or renew the lease; None, or who holds it (a live chief: not taken)."""
@@ -363,7 +368,19 @@ class _AdminLease:
         if not self.held and len(reply) > 1 and reply[1]:
             self.previous = 1
         self.held = True
+        self._since = time.monotonic()
         return None
+
+    def renew(self) -> None:
+        """Renew the lease when a third of it has passed. A renewal refused (Redis at
+        maxmemory, where the deletes still run and free memory) is logged: the delete goes on,
+        under the lease as long as it lasts, rather than stopping half-way."""
+        if time.monotonic() - self._since < self.SECONDS / 3:
+            return
+        try:
+            self.acquire()
+        except ResourceExhaustedError as exc:
+            logger.warning("deleting a sync job: could not renew its lease (%s)", exc)
 
     def release(self) -> None:
         if self.held:

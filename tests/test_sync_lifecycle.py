@@ -1182,3 +1182,30 @@ def test_a_job_delete_holds_the_chief_lease_so_no_new_run_is_deleted(target, mon
     monkeypatch.undo()
     assert new.initialize(model) == 0  # after the delete: a new job
     new.close()
+
+
+def test_a_job_delete_goes_on_when_its_lease_cannot_be_renewed(target, monkeypatch):
+    """At maxmemory the renewal of the delete's lease between accumulators was refused: the
+    delete stopped half-way, saying nothing was changed (CLI review). Now a refused renewal is
+    logged and the delete finishes (it frees memory)."""
+    from accumulator import _admin_job
+
+    ps = ParameterServer("jr", replicas_to_aggregate=1, fusion_bytes=0, client=target.client())
+    ps.initialize({"a": np.zeros(4, np.float32), "b": np.zeros(4, np.float32),
+                   "c": np.zeros(4, np.float32)})  # fmt: skip
+    ps.finish()
+    ps.close()
+    monkeypatch.setattr(_admin_job._AdminLease, "SECONDS", 0.0)  # renew at every accumulator
+    acquire = _admin_job._AdminLease.acquire
+    calls = []
+
+    def refused_after_the_first(self):
+        calls.append(1)
+        if len(calls) > 1:
+            raise accumulator.ResourceExhaustedError("Redis is out of memory (maxmemory)")
+        return acquire(self)
+
+    monkeypatch.setattr(_admin_job._AdminLease, "acquire", refused_after_the_first)
+    r = target.redis()
+    assert accumulator._admin.delete_job(r, "jr") > 0
+    assert len(calls) >= 3 and list(r.scan_iter()) == []
