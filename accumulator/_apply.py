@@ -22,7 +22,10 @@ from ._errors import (
     FailedPreconditionError,
     InvalidArgumentError,
     NotDurableError,
+    NotFoundError,
+    PermissionDeniedError,
     ResourceExhaustedError,
+    SchemaVersionError,
 )
 from ._model import AccumulatorModel
 from ._requests import Batch, Call, Command, Ops
@@ -46,13 +49,29 @@ def apply(
             "one payload; split the parameter into several accumulators"
         )
     ident = acc._identities.acquire()
+    spread = nbytes > _model.INLINE_MAX_BYTES and acc.spreads_parts
     try:
-        sent = yield from _send(acc, payload, shape_token, local_step, first_error,
-                                ident.client_id, ident.seq)  # fmt: skip
+        try:
+            sent = yield from _send(acc, payload, shape_token, local_step, first_error,
+                                    ident.client_id, ident.seq)  # fmt: skip
+        except ResourceExhaustedError as exc:
+            if not (spread and exc.reason == "NOBLOB"):
+                raise
+            # The record of its parts is gone (a failover lost it, between it and the apply
+            # script): once more, record, parts (NX: those there stay) and script, under the
+            # same apply id (counted once).
+            logger.info("apply_grad on %r: the record of the gradient's parts was lost; "
+                        "sending it again", acc._shared_name)  # fmt: skip
+            sent = yield from _send(acc, payload, shape_token, local_step, first_error,
+                                    ident.client_id, ident.seq)  # fmt: skip
         reply, blob, inline, acked, garbage, rewritten = sent
-    except BaseException:
+    except BaseException as exc:
         if nbytes > _model.INLINE_MAX_BYTES and not acc.spreads_parts:
             yield from _withdraw(acc, ident.client_id, ident.seq, nbytes)
+        elif spread and isinstance(exc, _REFUSED):
+            # refused by the apply script (or before it): nothing holds its parts, and
+            # nothing would ever sweep them once their record is gone (no expiry of their own)
+            yield from _drop_spread(acc, ident.client_id, ident.seq, nbytes)
         raise
     finally:
         acc._identities.release(ident)
@@ -149,6 +168,27 @@ def _send(
         rewritten = [c[1] for c, r in zip(commands[:-1], replies[:-1], strict=True)
                      if r is not None and not isinstance(r, Exception)]  # fmt: skip
     return reply, blob, inline, acked, garbage, rewritten
+
+
+#: Errors that say an apply was refused, not counted: no retry of it counted it before (the
+#: script answers a retry of a counted apply from its retry record, before any refusal).
+_REFUSED = (NotFoundError, SchemaVersionError, ResourceExhaustedError, InvalidArgumentError,
+            PermissionDeniedError)  # fmt: skip
+
+
+def _drop_spread(acc: AccumulatorModel, cid: str, seq: int, nbytes: int) -> Ops[None]:
+    """Delete the parts of a spread payload whose apply was refused. Best effort."""
+    k = acc._keys
+    blob = k.blob(cid, seq)
+    parts = [k.spread_part(blob, i) for i, _ in enumerate(_chunks.part_ranges(nbytes))]
+    try:
+        for i in range(0, len(parts), 512):
+            yield Batch("apply_grad (cleaning up)", [("UNLINK", key) for key in parts[i : i + 512]])
+        yield Command("apply_grad (cleaning up)",
+                      ("ZREM", k.orphans, k.spread_entry(blob, nbytes)))  # fmt: skip
+    except Exception:  # noqa: BLE001 - the apply's own error is the one to raise
+        logger.warning("apply_grad on %r: could not delete the parts of a refused gradient",
+                       acc._shared_name, exc_info=True)  # fmt: skip
 
 
 def _unlink_rewritten(acc: AccumulatorModel, parts: list[bytes]) -> Ops[None]:

@@ -77,6 +77,10 @@ class ResourceExhaustedError(AccumulatorError):
     """Redis is out of memory (``maxmemory`` reached under ``noeviction``), or the pending
     round would pass the accumulator's ``max_pending_bytes``. Nothing was applied."""
 
+    #: what the server said, when it says more than "out of memory" ("NOBLOB": the apply
+    #: script found the gradient's payload missing)
+    reason: str | None = None
+
 
 class UnavailableError(AccumulatorError, ConnectionError):
     """Redis could not be reached for longer than the retry window (``retry_window``,

@@ -301,11 +301,13 @@ def translate(exc: Exception, state_key: str | bytes | None = None) -> Exception
             "README's Security section for what each role needs)"
         )
     if what == "NOBLOB":
-        return ResourceExhaustedError(
+        missing = ResourceExhaustedError(
             "the gradient's payload was not stored (Redis at maxmemory, or the key was evicted "
-            "or changed; or, spread over slots, it was not recorded within an hour of being "
-            "written and was swept); nothing was applied"
+            "or changed; or, spread over slots, its record was lost: swept after an hour, or "
+            "by a failover); nothing was applied"
         )
+        missing.reason = "NOBLOB"  # (the apply retries a spread payload once: _apply.apply)
+        return missing
     if what == "NOMODULE":
         return UnavailableError(
             "this accumulator keeps its sums in Redis, but the server does not run the accsum "

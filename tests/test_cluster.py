@@ -272,3 +272,46 @@ def test_the_asyncio_twin_on_a_cluster(cluster, form):
             await client.aclose()
 
     asyncio.run(main())
+
+
+def test_a_spread_gradient_whose_record_was_lost_is_sent_again_and_a_refused_one_leaves_no_part(
+    cluster,
+):
+    """(a) A failover lost the record of a spread gradient's parts between it and the apply
+    script: the script refused it as a missing payload ("maxmemory"), and its parts, with no
+    expiry of their own, stayed forever. Now it is sent again, counted once. (b) An apply
+    refused by its script (the accumulator deleted meanwhile) leaves none of its parts.
+    (Found by the review of the cluster paths.)"""
+    r = cluster.client()
+    r.flushall()
+    shape = (600_000,)  # 3 parts
+    acc = accumulator.ConditionalAccumulator(np.float32, shape, shared_name="lost", client=r)
+    assert acc.spreads_parts
+    do, orphans = acc._do, acc._keys.orphans
+    lost = []
+
+    def losing_the_record(request):
+        reply = do(request)
+        if getattr(request, "name", None) == "orphans" and not lost:
+            lost.append(request.args[1])
+            assert r.zrem(orphans, request.args[1]) == 1  # as a failover would
+        return reply
+
+    acc._do = losing_the_record
+    assert acc.apply_grad(np.ones(shape, np.float32)) is True
+    assert lost and acc.num_accumulated() == 1
+    np.testing.assert_array_equal(acc.take_grad(1), np.ones(shape))
+    assert [k for k in r.scan_iter("acc:{:lost%*") ] == []  # no part left
+
+    def deleted_meanwhile(request):
+        reply = do(request)
+        if getattr(request, "name", None) == "orphans":
+            _admin.delete(r, "lost")
+        return reply
+
+    acc._do = deleted_meanwhile
+    with pytest.raises(accumulator.NotFoundError):
+        acc.apply_grad(np.ones(shape, np.float32), local_step=1)
+    assert list(r.scan_iter("acc:*")) == []
+    del acc._do
+    acc.close()
