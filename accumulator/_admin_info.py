@@ -102,6 +102,10 @@ class Info:
     #: the final step of the finished sync job it belongs to (applies that are not stale are
     #: refused); None: not sealed
     sealed: int | None = None
+    #: rounds claimed by takers that are gone (claim lease run out: the next take takes them
+    #: over, as they were), and the gradients they hold
+    stranded_claims: int = 0
+    stranded_grads: int = 0
 
     @property
     def name(self) -> str:
@@ -121,8 +125,9 @@ class Info:
         out = asdict(self)
         out["shape"] = None if self.shape is None else list(self.shape)
         out["round_shape"] = None if self.round_shape is None else list(self.round_shape)
-        out["takers"] = [asdict(t) for t in self.takers]
-        out["claims"] = [asdict(c) for c in self.claims]
+        # (not read by a listing: null, not an empty list that says "none")
+        out["takers"] = [asdict(t) for t in self.takers] if self.detailed else None
+        out["claims"] = [asdict(c) for c in self.claims] if self.detailed else None
         out["shape_text"] = self.shape_text
         out["mean_stale"] = self.mean_stale
         return out

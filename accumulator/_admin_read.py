@@ -111,14 +111,16 @@ def list_accumulators(
         pipe.hgetall(keys.state)
         pipe.zrange(keys.takers, 0, -1)
         pipe.hgetall(keys.taker_info)
+        pipe.hgetall(keys.claims)
     replies = clock(pipe.execute(raise_on_error=False))
     for reply in replies:
         if isinstance(reply, Exception) and not _wrong_type(reply):
             raise reply
     now = _server_ms(replies[0])
+    stranded = _stranded(r, found, replies[1:], now)
     out: list[Info] = []
     for i, (cont, name, keys) in enumerate(found):
-        state, queued, leases = replies[1 + 3 * i : 4 + 3 * i]
+        state, queued, leases, _ = replies[1 + 4 * i : 5 + 4 * i]
         wrong = [
             (key, _LISTED_TYPES[what])
             for what, key, reply in (("state", keys.state, state), ("takers", keys.takers, queued),
@@ -130,7 +132,47 @@ def list_accumulators(
             continue
         if not state:  # deleted between SCAN and HGETALL
             continue
-        out.append(_info(cont, name, state, live_takers(queued or [], leases or {}, now), now))
+        rounds, grads = stranded.get(i, (0, 0))
+        out.append(_info(cont, name, state, live_takers(queued or [], leases or {}, now), now,
+                         stranded_claims=rounds, stranded_grads=grads))  # fmt: skip
+    return out
+
+
+def _gone(claim: LeftClaim) -> bool:
+    """Whether a claim's taker is gone (its lease ran out)."""
+    return claim.lease_remaining_ms is not None and claim.lease_remaining_ms <= 0
+
+
+def _stranded(
+    r: redis.Redis, found: list[tuple[str, str, Keys]], replies: list[Any], now: int | None
+) -> dict[int, tuple[int, int]]:
+    """Index in ``found`` -> (rounds claimed by takers that are gone, their gradients), from
+    each claim registry (``replies[4 * i + 3]``) and one more round trip for the claims'
+    headers, when there are such claims."""
+    if now is None:
+        return {}
+    claims: list[tuple[int, str]] = []
+    for i, (_, _, keys) in enumerate(found):
+        registry = replies[4 * i + 3]
+        if not isinstance(registry, dict):
+            continue
+        for taker, mark in registry.items():
+            expiry = _int(mark, None)
+            if expiry is not None and expiry <= now:
+                claims.append((i, keys.claim(reply_text(taker))))
+    if not claims:
+        return {}
+    pipe = r.pipeline(transaction=False)
+    for _, key in claims:
+        pipe.lindex(key, 0)
+    out: dict[int, tuple[int, int]] = {}
+    for (i, _), header in zip(claims, pipe.execute(raise_on_error=False), strict=True):
+        if not isinstance(header, bytes):  # given back meanwhile, or not a list of ours
+            continue
+        fields = header.split()
+        count = _int(fields[1], None) if len(fields) > 1 else None
+        rounds, grads = out.get(i, (0, 0))
+        out[i] = (rounds + 1, grads + (count or 0))
     return out
 
 
@@ -303,6 +345,8 @@ def describe(
         detailed=True,
         takers=_takers(ranked, taker_info, now),
         claims=tuple(claims),
+        stranded_claims=len(gone := [c for c in claims if _gone(c)]),
+        stranded_grads=sum(c.count for c in gone),
         retry_buffers=retry_buffers,
         keys=len(found),
         stray_keys=len(stray),

@@ -93,6 +93,13 @@ def _unreadable(info: _admin.Info) -> str | None:
     return info.error if isinstance(info, _admin.Unreadable) else None
 
 
+def stranded_text(info: _admin.Info) -> str:
+    """What the rounds claimed by takers that are gone hold, and what becomes of them."""
+    return (f"{plural(info.stranded_grads, 'gradient')} in "
+            f"{plural(info.stranded_claims, 'round')} claimed by a taker that is gone (not in "
+            "COUNT; the next take takes it over; `reset` drops it)")  # fmt: skip
+
+
 def render_ls(
     infos: Sequence[_admin.Info], server: dict[str, Any] | None, with_container: bool
 ) -> list[str]:
@@ -125,8 +132,13 @@ def render_ls(
         for i in infos
         if (error := _unreadable(i)) is not None
     ]
-    if warnings:
-        lines += ["", *warnings]
+    notes = [
+        f"note: {_where(i.shared_name, i.container)}: {stranded_text(i)}"
+        for i in infos
+        if i.stranded_claims and _unreadable(i) is None
+    ]
+    if warnings or notes:
+        lines += ["", *warnings, *notes]
     footer = plural(len(infos) - len(warnings), "accumulator")
     if warnings:
         footer += f" (and {len(warnings)} unreadable, listed with KIND ?)"
@@ -153,6 +165,8 @@ def render_show(info: _admin.Info, prev: _admin.Info | None = None) -> list[str]
         what = ", rows of shape" if info.kind == "sparse" else " of shape"
         pending += f"{what} [{','.join(str(d) for d in info.round_shape)}]"
     pending += f", {fmt_bytes(info.bytes)}"
+    if info.stranded_claims:
+        pending += f"; and {stranded_text(info)}"
     storage = plural(info.keys, "key") if info.keys is not None else "n/a"
     storage += (
         f", {fmt_bytes(info.memory_bytes)} (MEMORY USAGE)"

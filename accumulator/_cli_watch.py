@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import _admin
+from ._cli_context import esc
 from ._cli_render import fmt_bytes, plural, table
 
 #: Refreshes a sparkline remembers.
@@ -68,6 +69,7 @@ class Rates:
                 "step": info.step, "pending": info.count, "pending_bytes": info.bytes,
                 "takers_waiting": info.takers_waiting, "applies_per_s": applies,
                 "takes_per_s": takes, "recent_applies_per_s": list(track.applies),
+                "stranded_claims": info.stranded_claims, "stranded_grads": info.stranded_grads,
             })  # fmt: skip
         for key in set(self.tracks) - seen:  # deleted meanwhile
             del self.tracks[key]
@@ -98,4 +100,12 @@ def render_overview(rows: list[dict[str, Any]], with_container: bool) -> list[st
         ]
         for r in rows
     ]  # fmt: skip
-    return [*table(headers, body, right), "", plural(len(rows), "accumulator")]
+    notes = [
+        f"note: {esc(r['shared_name'], quote=True)}: "
+        f"{plural(r['stranded_grads'], 'gradient')} (not in PENDING) in "
+        f"{plural(r['stranded_claims'], 'round')} claimed by a taker that is gone"
+        for r in rows
+        if r.get("stranded_claims")
+    ]
+    return [*table(headers, body, right), *([""] + notes if notes else []), "",
+            plural(len(rows), "accumulator")]  # fmt: skip

@@ -420,6 +420,20 @@ def test_reset_and_set_step_name_the_rounds_of_takers_that_are_gone(
     acc.apply_grad(np.ones(SHAPE), local_step=0)
     acc.apply_grad(np.ones(SHAPE), local_step=0)
     take_script(acc, "7-dead", 2, 15_000, claim_ms=0)  # claimed; its taker died at once
+    # ls, show and watch say where those gradients are (COUNT 0 read as "consumed")
+    text = ok(cli("ls", "--url", real.url))
+    assert ("note: 'gone': 2 gradients in 1 round claimed by a taker that is gone (not in "
+            "COUNT; the next take takes it over; `reset` drops it)") in text  # fmt: skip
+    data = json.loads(ok(cli("ls", "--json", "--url", real.url)))
+    (entry,) = [e for e in data["accumulators"] if e["shared_name"] == "gone"]
+    assert (entry["count"], entry["stranded_claims"], entry["stranded_grads"]) == (0, 1, 2)
+    assert entry["claims"] is None and entry["takers"] is None  # not read by a listing
+    assert "and 2 gradients in 1 round claimed by a taker that is gone" in ok(
+        cli("show", "gone", "--url", real.url)
+    )
+    assert "2 gradients (not in PENDING) in 1 round claimed by a taker that is gone" in ok(
+        cli("watch", "--count", "1", "--url", real.url)
+    )
     # set-step asks: the next take would hand that round over as it was
     err = failed(cli("set-step", "gone", "9", "--url", real.url), 2)
     assert "2 gradients in 1 claimed round of takers that are gone" in err
