@@ -9,6 +9,10 @@ import json
 import time
 from typing import Any
 
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisClusterException
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
 from . import _admin, _admin_ops
 from ._cli_context import EXIT_ERROR, EXIT_OK, EXIT_USAGE, CliError, Context, arg, command, esc
 from ._cli_render import (
@@ -22,7 +26,7 @@ from ._cli_render import (
 )
 from ._cli_watch import Rates, render_overview
 from ._errors import NotFoundError
-from ._redact import redact_url
+from ._redact import redact_url, scrub, url_secrets
 
 
 @command("ls", "list accumulators (all containers unless --container is given)")
@@ -108,6 +112,7 @@ def _watch(ctx: Context, args: argparse.Namespace) -> int:
     prev: _admin.Info | None = None
     rates = Rates()
     shown = 0
+    lost: str | None = None  # when the server stopped answering (watch goes on)
     try:
         if tty:
             ctx.out.write("\x1b[2J")
@@ -116,16 +121,24 @@ def _watch(ctx: Context, args: argparse.Namespace) -> int:
                 f"every {args.interval:g}s · {ctx.shown_url} · "
                 f"{time.strftime('%H:%M:%S')}" + ("  (Ctrl-C to quit)" if tty else "")
             )
-            if args.name is None:
-                infos = _admin.list_accumulators(r, ctx.container)
-                rows = rates.update(infos, int(time.time() * 1000))
-                document: Any = {"accumulators": rows}
-                lines = [header, "", *render_overview(rows, _with_container(ctx, infos))]
-            else:
-                info = _admin.describe(r, args.name, ctx.scope)
-                document = info.to_dict()
-                lines = [header, "", *render_show(info, prev)]
-                prev = info
+            try:
+                if args.name is None:
+                    infos = _admin.list_accumulators(r, ctx.container)
+                    rows = rates.update(infos, int(time.time() * 1000))
+                    document: Any = {"accumulators": rows}
+                    lines = [header, "", *render_overview(rows, _with_container(ctx, infos))]
+                else:
+                    info = _admin.describe(r, args.name, ctx.scope)
+                    document = info.to_dict()
+                    lines = [header, "", *render_show(info, prev)]
+                    prev = info
+                lost = None
+            except _UNREACHABLE as exc:
+                # a restart or a failover: keep watching (the client reconnects)
+                lost = lost or time.strftime("%H:%M:%S")
+                reason = scrub(str(exc).strip() or type(exc).__name__, url_secrets(ctx.url))
+                document = {"unreachable_since": lost, "error": reason}
+                lines = [header, "", f"unreachable since {lost}: {esc(reason)}"]
             if ctx.json:  # one JSON document per line
                 ctx.write(json.dumps(document))
             else:
@@ -140,6 +153,10 @@ def _watch(ctx: Context, args: argparse.Namespace) -> int:
             time.sleep(args.interval)
     except KeyboardInterrupt:
         return EXIT_OK
+
+
+#: What a watch rides out: the server restarting, failing over, or out of reach a while.
+_UNREACHABLE = (RedisConnectionError, RedisTimeoutError, RedisClusterException)
 
 
 def _stranded(info: _admin.Info) -> list[_admin.LeftClaim]:

@@ -1009,6 +1009,35 @@ def test_cluster_urls_that_cannot_serve_exit_with_a_message(real: Target) -> Non
         assert "no cluster node" in err
 
 
+def test_watch_rides_out_a_server_restart(own_server: Target) -> None:
+    # (it ended at the first connection error: a failover at 3 a.m. killed the view)
+    server = own_server.server
+    assert server is not None and own_server.url is not None
+    accumulator.ConditionalAccumulator(np.float32, SHAPE, shared_name="w",
+                                       client=own_server.url).close()  # fmt: skip
+    clean = {k: v for k, v in os.environ.items() if k not in ("ACCUMULATOR_REDIS_URL", "REDIS_URL")}
+    watch = subprocess.Popen(
+        [sys.executable, "-m", "accumulator", "--url", own_server.url, "--json", "watch",
+         "--interval", "0.2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL, text=True, env=clean,
+    )  # fmt: skip
+    try:
+        assert watch.stdout is not None
+        assert "accumulators" in json.loads(watch.stdout.readline())
+        server.kill()
+        frame = json.loads(watch.stdout.readline())
+        while "accumulators" in frame:  # (frames read before the kill)
+            frame = json.loads(watch.stdout.readline())
+        assert frame["unreachable_since"] and frame["error"]
+        server.start()  # (empty: no persistence)
+        while "accumulators" not in frame:
+            frame = json.loads(watch.stdout.readline())
+        assert frame["accumulators"] == [] and watch.poll() is None
+    finally:
+        watch.kill()
+        watch.communicate(timeout=30)
+
+
 def test_the_tools_that_free_memory_work_at_maxmemory(own_server: Target) -> None:
     """At maxmemory Redis refuses every command queued in a transaction (reads and deletes
     too): show, watch, reset and delete must still work there, in the CLI and the library;
