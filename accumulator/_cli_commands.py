@@ -19,6 +19,7 @@ from ._cli_render import (
     _unreadable,
     _where,
     fmt_bytes,
+    fmt_ms,
     plural,
     render_job,
     render_ls,
@@ -155,6 +156,27 @@ def _watch(ctx: Context, args: argparse.Namespace) -> int:
         return EXIT_OK
 
 
+def _taker_state(info: _admin.Info, taker: str) -> str:
+    """'live, lease 4.2s left, waiting' / 'gone, lease ran out 3s ago, holding a claimed
+    round of 2 gradients' ..., from ``describe``."""
+    for t in info.takers:
+        if t.taker_id == taker:
+            return _lease_state(t.lease_remaining_ms) + ", waiting in the queue"
+    for c in info.claims:
+        if c.taker_id == taker:
+            return (f"{_lease_state(c.lease_remaining_ms)}, holding a claimed round of "
+                    f"{plural(c.count, 'gradient')}")  # fmt: skip
+    return "gone"
+
+
+def _lease_state(remaining_ms: int | None) -> str:
+    if remaining_ms is None:
+        return "gone, no lease"
+    if remaining_ms > 0:
+        return f"live, lease {fmt_ms(remaining_ms)} left"
+    return f"gone, lease ran out {fmt_ms(-remaining_ms)} ago"
+
+
 #: What a watch rides out: the server restarting, failing over, or out of reach a while.
 _UNREACHABLE = (RedisConnectionError, RedisTimeoutError, RedisClusterException)
 
@@ -271,14 +293,26 @@ def _delete(ctx: Context, args: argparse.Namespace) -> int:
     arg("name", help="its shared_name"),
     arg("taker", help="the taker id, as `show` lists it"),
     arg("--drop", action="store_true", help="delete the taker's claimed round instead"),
+    arg("--force", action="store_true",
+        help="evict a taker whose lease still runs (a live one: its take raises)"),
     destructive=True,
 )
 def _evict(ctx: Context, args: argparse.Namespace) -> int:
     r = ctx.connect()
     what = "and delete its claimed round" if args.drop else "(its claimed round, if any, goes back)"
     _admin.check_taker(r, args.name, args.taker, ctx.scope)  # (asking about none would mislead)
+    state = _taker_state(_admin.describe(r, args.name, ctx.scope, memory=False), args.taker)
+    if state.startswith("live") and not args.force:
+        raise CliError(
+            EXIT_USAGE,
+            f"taker {esc(args.taker, quote=True)} of {_where(args.name, ctx.scope)} is {state}: "
+            "evicting it makes its take fail (or lose its place in the queue); pass --force "
+            "to evict it anyway",
+            "refused",
+        )
     ctx.confirm(
-        f"Evict taker {esc(args.taker, quote=True)} of {_where(args.name, ctx.scope)} {what}?",
+        f"Evict taker {esc(args.taker, quote=True)} ({state}) of "
+        f"{_where(args.name, ctx.scope)} {what}?",
         args.yes,
         f"evict {esc(args.taker, quote=True)}",
     )

@@ -1068,7 +1068,8 @@ def test_the_tools_that_free_memory_work_at_maxmemory(own_server: Target) -> Non
     assert accumulator.describe_accumulator("full", client=url).count == 0
     ok(cli("--url", url, "delete", "full", "--yes"))
     assert accumulator.delete_accumulator("other", client=url) > 0
-    assert "dropped" in ok(cli("--url", url, "evict", "claimed", "1-dead", "--drop", "--yes"))
+    assert "dropped" in ok(cli("--url", url, "evict", "claimed", "1-dead", "--drop", "--yes",
+                               "--force"))  # (its lease runs)
     # (the retry records of the applies stay, until they expire)
     left = [key for key in r.scan_iter(f"{k.base}*") if key != k.state.encode()]
     assert [key for key in left if not key.startswith(k.dedup("").encode())] == []

@@ -138,7 +138,14 @@ def test_cli_evict(real):
     acc.apply_grad(np.ones(SHAPE))
     _abandoned_take(acc, "4-dead", 1, taker_lease_ms=60_000, claim_lease_ms=60_000)
     out, err = io.StringIO(), io.StringIO()
+    # its lease still runs: it may be a live chief reading its round (--force needed)
     assert _cli.main(["--url", target.url, "evict", "r", "4-dead", "--yes"],
+                     stdout=out, stderr=err) == 2  # fmt: skip
+    assert "is live, lease " in err.getvalue() and "holding a claimed round of 1 gradient" in (
+        err.getvalue()
+    )
+    assert "pass --force" in err.getvalue() and acc.num_accumulated() == 0
+    assert _cli.main(["--url", target.url, "evict", "r", "4-dead", "--yes", "--force"],
                      stdout=out, stderr=err) == 0, err.getvalue()  # fmt: skip
     assert "given back" in out.getvalue()
     assert _cli.main(["--url", target.url, "evict", "r", "4-dead", "--yes"],
