@@ -24,7 +24,15 @@ from ._admin_info import _int, _server_ms, live_takers, queue_time
 from ._admin_ops import delete
 from ._codec import reply_text, resolve_dtype
 from ._errors import InvalidArgumentError, NotFoundError, ResourceExhaustedError
-from ._keys import DEFAULT_PREFIX, SYNC_PREFIX, Keys, SyncKeys, is_done_mark
+from ._keys import (
+    DEFAULT_PREFIX,
+    SYNC_PREFIX,
+    Keys,
+    SyncKeys,
+    is_done_mark,
+    parse_state_key,
+    state_pattern,
+)
 
 logger = logging.getLogger("accumulator")
 
@@ -386,6 +394,21 @@ class _AdminLease:
         if self.held:
             _scripts.call(self._r, "sync_lease", [self._key], ["release", *self._args])
             self.held = False
+
+
+def list_jobs(
+    r: redis.Redis, container: str, *, sync_prefix: str = SYNC_PREFIX
+) -> list[str]:
+    """The sync jobs of one container (their published state or counters exist), sorted."""
+    pattern = state_pattern(container, sync_prefix)[: -len(":s")]  # accsync:{C:*}
+    names: set[str] = set()
+    for suffix in (":p", ":st"):
+        for raw in r.scan_iter(match=pattern + suffix, count=1000):
+            key = raw.decode("utf-8", "replace")
+            parsed = parse_state_key(key[: -len(suffix)] + ":s", sync_prefix)
+            if parsed is not None and parsed[0] == container:
+                names.add(parsed[1])
+    return sorted(names)
 
 
 def delete_param_versions(r: redis.Redis, keys: SyncKeys) -> int:

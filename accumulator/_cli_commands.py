@@ -13,7 +13,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisClusterException
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from . import _admin, _admin_ops
+from . import _admin, _admin_job, _admin_ops
 from ._cli_context import EXIT_ERROR, EXIT_OK, EXIT_USAGE, CliError, Context, arg, command, esc
 from ._cli_render import (
     _unreadable,
@@ -336,24 +336,39 @@ def _reset_container(ctx: Context, args: argparse.Namespace) -> int:
         )
     r = ctx.connect()
     names = [i.shared_name for i in _admin.list_accumulators(r, ctx.container)]
-    if names:
+    jobs = _admin_job.list_jobs(r, ctx.container)
+    deleted, jobs_deleted = 0, 0
+    if names or jobs:
         shown = ", ".join(esc(n, quote=True) for n in names[:5]) + (
             ", ..." if len(names) > 5 else ""
         )
         where = esc(ctx.container, quote=True)
+        listed = ", ".join(esc(j, quote=True) for j in jobs[:5])
+        listed += ", ..." if len(jobs) > 5 else ""
+        with_jobs = (f" and its {plural(len(jobs), 'sync job')} ({listed}; running or not)"
+                     if jobs else "")  # fmt: skip
         ctx.confirm(
-            f"Delete all {plural(len(names), 'accumulator')} of container {where} ({shown})?",
+            f"Delete all {plural(len(names), 'accumulator')} of container {where} ({shown})"
+            f"{with_jobs}?",
             args.yes,
             f"reset container {where}",
         )
-        deleted = _admin.reset_container(r, ctx.container)
-    else:
-        deleted = 0
+        for job in jobs:  # (their parameters' accumulators with them)
+            try:
+                _admin.delete_job(r, job, ctx.container, force=True)
+            except NotFoundError:  # deleted meanwhile
+                continue
+            jobs_deleted += 1
+        if jobs:  # the accumulators those deletes took, counted too
+            left = {i.shared_name for i in _admin.list_accumulators(r, ctx.container)}
+            deleted = sum(1 for n in names if n not in left)
+        deleted += _admin.reset_container(r, ctx.container)
     if ctx.json:
-        ctx.dump({"container": ctx.container, "deleted": deleted})
+        ctx.dump({"container": ctx.container, "deleted": deleted, "jobs_deleted": jobs_deleted})
     else:
         where = esc(ctx.container, quote=True)
-        ctx.write(f"deleted {plural(deleted, 'accumulator')} of container {where}")
+        jobs_text = f" and {plural(jobs_deleted, 'sync job')}" if jobs_deleted else ""
+        ctx.write(f"deleted {plural(deleted, 'accumulator')}{jobs_text} of container {where}")
     return EXIT_OK
 
 

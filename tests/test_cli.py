@@ -470,7 +470,25 @@ def test_reset_container(real: Target, make: Callable[..., Any]) -> None:
         ("", "a")
     ]
     data = json.loads(ok(cli("reset-container", "--container", "job", "--json", "--url", real.url)))
-    assert data == {"container": "job", "deleted": 0}  # nothing to delete: nothing to confirm
+    assert data == {"container": "job", "deleted": 0, "jobs_deleted": 0}  # nothing to confirm
+
+
+def test_reset_container_deletes_its_sync_jobs(real: Target) -> None:
+    # (their published state, counters and parameter versions stayed, and `job` showed them)
+    from accumulator.sync import ParameterServer
+
+    ps = ParameterServer("jj", replicas_to_aggregate=1, client=real.url, container="jc")
+    ps.initialize({"w": np.zeros(4, np.float32)})
+    ps.finish()
+    ps.close()
+    r = real.redis()
+    assert list(r.scan_iter("accsync:*"))
+    err = failed(cli("reset-container", "--container", "jc", "--url", real.url), 2)
+    assert "--yes" in err
+    out = ok(cli("reset-container", "--container", "jc", "--yes", "--url", real.url))
+    assert out.strip() == "deleted 1 accumulator and 1 sync job of container 'jc'"
+    assert list(r.scan_iter("accsync:*")) == [] and list(r.scan_iter("acc:*")) == []
+    failed(cli("job", "jj", "--container", "jc", "--url", real.url), 1)
 
 
 # -- errors -------------------------------------------------------------------------------------
