@@ -57,6 +57,10 @@ def scheme_problem(url: str) -> str | None:
         path = urlsplit(url).path
         if path.strip("/") and not re.fullmatch(r"[0-9]+", path.strip("/")):
             return f"its path must be a database number (/0, /1, ...), not {path!r}"
+    if url.startswith(("redis+cluster://", "rediss+cluster://")):
+        path = urlsplit(url).path.strip("/")
+        if path not in ("", "0"):  # (a cluster has database 0 only)
+            return f"a cluster has database 0 only: its path must be empty or /0, not {path!r}"
     return None
 
 

@@ -573,7 +573,8 @@ def test_usage_errors_exit_2(real: Target) -> None:
     assert "must be > 0" in failed(cli("watch", "x", "--interval", "0", "--url", real.url), 2)
     failed(cli("set-step", "x", "not-a-number", "--url", real.url), 2)
     assert "invalid --url" in failed(cli("ls", "--url", "http://example.com"), 2)
-    for url in ("redis://[::1/0", "redis+sentinel://x"):  # (tracebacks and exit 1 before)
+    # (tracebacks and exit 1 before; a cluster's db: exit 3, "cannot connect")
+    for url in ("redis://[::1/0", "redis+sentinel://x", "redis+cluster://127.0.0.1:1/1"):
         assert "invalid --url" in failed(cli("ls", "--url", url), 2)
     help_text = ok(cli("--help"))
     for name in ("ls", "show", "watch", "set-step", "reset", "delete", "reset-container", "job",

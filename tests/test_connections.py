@@ -337,3 +337,10 @@ def test_every_tls_setting_of_a_cluster_client_is_kept() -> None:
     assert _connection.node_settings(aio) == {**want, "password": "pw"}
     assert _connection.tls_settings({"ssl_ca_certs": "x"}, AsyncRedis) == {"ssl_ca_certs": "x"}
     assert _connection.tls_settings({"host": "h"}, redis.Redis) == {}
+
+
+@pytest.mark.parametrize("path", ["/1", "/abc"])
+def test_a_cluster_url_with_a_database_is_refused_our_way(path: str) -> None:
+    with pytest.raises(accumulator.InvalidArgumentError, match="database 0 only"):
+        accumulator.ConditionalAccumulator(np.float32, (2,), shared_name="x",
+                                           client=f"redis+cluster://127.0.0.1:1{path}")  # fmt: skip
