@@ -9,6 +9,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import redis
+from redis.cluster import RedisCluster
 from redis.exceptions import ResponseError
 
 from ._admin_info import (
@@ -360,14 +361,22 @@ def describe(
 
 def server_info(r: redis.Redis) -> dict[str, Any] | None:
     """A few INFO fields (version, mode, memory), or None when INFO is not allowed."""
+    nodes: list[dict[str, Any]] | None = None
     try:
         info = r.info("server")
-        memory = r.info("memory")
+        if isinstance(r, RedisCluster):  # every primary's (INFO goes to one node by default)
+            per_node = r.info("memory", target_nodes=RedisCluster.PRIMARIES)
+            nodes = list(per_node.values()) if isinstance(per_node, dict) else [per_node]
+            if nodes and not isinstance(nodes[0], dict):  # one node: its fields, not a map
+                nodes = [per_node]
+            memory = {"used_memory": sum(int(n.get("used_memory") or 0) for n in nodes)}
+        else:
+            memory = r.info("memory")
     except ResponseError as exc:
         logger.debug("INFO unavailable: %s", exc)
         return None
     product = "valkey" if "valkey_version" in info else "redis"
-    return {
+    out = {
         "server": product,
         "version": str(info.get("valkey_version") or info.get("redis_version") or "?"),
         "mode": info.get("redis_mode"),
@@ -375,6 +384,14 @@ def server_info(r: redis.Redis) -> dict[str, Any] | None:
         "used_memory_human": memory.get("used_memory_human"),
         "maxmemory": memory.get("maxmemory"),
     }
+    if nodes is not None:
+        # a cluster: the sum over its primaries; the limit is each node's own, so the
+        # fullest node's share of its maxmemory says how close the cluster is to it
+        shares = [int(n.get("used_memory") or 0) / int(n["maxmemory"])
+                  for n in nodes if int(n.get("maxmemory") or 0) > 0]  # fmt: skip
+        out.update(primaries=len(nodes), maxmemory=None,
+                   fullest_node_share=max(shares) if shares else None)  # fmt: skip
+    return out
 
 
 def containers_of(r: redis.Redis, shared_name: str, *, prefix: str = DEFAULT_PREFIX) -> list[str]:

@@ -146,6 +146,12 @@ def render_ls(
         footer += f" · {esc(server['server'])} {esc(server['version'])}"
         if isinstance(server.get("used_memory"), int):
             footer += f" · server memory {fmt_bytes(server['used_memory'])}"
+            if server.get("primaries"):
+                footer += f" over {plural(server['primaries'], 'primary', 'primaries')}"
+                if isinstance(server.get("fullest_node_share"), float):
+                    footer += f" (fullest at {server['fullest_node_share']:.0%} of its maxmemory)"
+            elif isinstance(server.get("maxmemory"), int) and server["maxmemory"] > 0:
+                footer += f" of {fmt_bytes(server['maxmemory'])} maxmemory"
     return [*lines, "", footer] if infos else [*lines]
 
 

@@ -1079,6 +1079,8 @@ def test_the_tools_that_free_memory_work_at_maxmemory(own_server: Target) -> Non
     with pytest.raises(redis.exceptions.OutOfMemoryError):
         r.set("probe", "x")  # (the server is at its limit)
     assert "full" in ok(cli("--url", url, "show", "full"))
+    footer = ok(cli("--url", url, "ls"))
+    assert re.search(r"server memory [0-9.]+ MiB of 1\.0 MiB maxmemory", footer)
     assert json.loads(ok(cli("--url", url, "--json", "show", "full")))["count"] == 3
     ok(cli("--url", url, "watch", "full", "-n", "1"))
     assert accumulator.describe_accumulator("full", client=url).count == 3

@@ -139,6 +139,13 @@ def test_the_cli_lists_every_primary(cluster, capsys):
     assert cli_main(["--url", url, "--json", "ls"]) == 0
     listed = json.loads(capsys.readouterr().out)
     assert [a["shared_name"] for a in listed["accumulators"]] == ["a", "b", "c", "d"]
+    # the server's memory: every primary's, not the one node INFO went to
+    nodes = cluster.client().info("memory", target_nodes="primaries")
+    one = max(int(n["used_memory"]) for n in nodes.values())
+    assert listed["server"]["primaries"] == 3 and listed["server"]["used_memory"] > 2 * one
+    capsys.readouterr()
+    assert cli_main(["--url", url, "ls"]) == 0
+    assert " over 3 primaries" in capsys.readouterr().out
     assert cli_main(["--url", url, "show", "a"]) == 0
 
 
