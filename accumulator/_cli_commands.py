@@ -177,6 +177,12 @@ def _lease_state(remaining_ms: int | None) -> str:
     return f"gone, lease ran out {fmt_ms(-remaining_ms)} ago"
 
 
+def _named(ctx: Context, name: str) -> dict[str, str]:
+    """The accumulator a changing command's JSON is about: ``shared_name`` as ``ls`` and
+    ``show`` say it (``name``, the same, as earlier versions said it)."""
+    return {"container": ctx.scope, "shared_name": name, "name": name}
+
+
 #: What a watch rides out: the server restarting, failing over, or out of reach a while.
 _UNREACHABLE = (RedisConnectionError, RedisTimeoutError, RedisClusterException)
 
@@ -224,7 +230,7 @@ def _set_step(ctx: Context, args: argparse.Namespace) -> int:
     old = _admin.set_step(r, args.name, args.step, ctx.scope)
     if ctx.json:
         ctx.dump(
-            {"container": ctx.scope, "name": args.name, "previous_step": old, "step": args.step}
+            {**_named(ctx, args.name), "previous_step": old, "step": args.step}
         )
     else:
         ctx.write(f"global step of {_where(args.name, ctx.scope)}: {old} -> {args.step}")
@@ -248,7 +254,7 @@ def _reset(ctx: Context, args: argparse.Namespace) -> int:
     )
     dropped, in_claims = _admin_ops.reset_counted(r, args.name, ctx.scope)
     if ctx.json:
-        ctx.dump({"container": ctx.scope, "name": args.name, "dropped": dropped,
+        ctx.dump({**_named(ctx, args.name), "dropped": dropped,
                   "dropped_from_claims": in_claims})  # fmt: skip
     else:
         gone = f" ({in_claims} of them in claimed rounds of takers that are gone)"
@@ -280,7 +286,7 @@ def _delete(ctx: Context, args: argparse.Namespace) -> int:
     )
     removed = _admin.delete(r, args.name, ctx.scope)
     if ctx.json:
-        ctx.dump({"container": ctx.scope, "name": args.name, "keys_deleted": removed})
+        ctx.dump({**_named(ctx, args.name), "keys_deleted": removed})
     else:
         ctx.write(f"deleted {_where(args.name, ctx.scope)} ({plural(removed, 'key')})")
     return EXIT_OK
@@ -318,7 +324,7 @@ def _evict(ctx: Context, args: argparse.Namespace) -> int:
     )
     outcome = _admin.evict(r, args.name, args.taker, ctx.scope, drop=args.drop)
     if ctx.json:
-        ctx.dump({"container": ctx.scope, "name": args.name, "taker": args.taker,
+        ctx.dump({**_named(ctx, args.name), "taker": args.taker,
                   "outcome": outcome})  # fmt: skip
     else:
         ctx.write(f"evicted taker {esc(args.taker, quote=True)} of "

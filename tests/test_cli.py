@@ -366,7 +366,7 @@ def test_set_step(real: Target, make: Callable[..., Any]) -> None:
     assert ok(cli("set-step", "s", "7", "--url", real.url)).strip() == "global step of 's': 0 -> 7"
     assert acc.global_step() == 7
     data = json.loads(ok(cli("set-step", "s", "2", "--json", "--url", real.url)))
-    assert data == {"container": "", "name": "s", "previous_step": 7, "step": 2}
+    assert data == {"container": "", "shared_name": "s", "name": "s", "previous_step": 7, "step": 2}
     assert acc.global_step() == 2
 
 
@@ -410,7 +410,8 @@ def test_reset(real: Target, make: Callable[..., Any]) -> None:
     assert out.strip() == "reset 'r': dropped 2 pending gradients"
     assert acc.num_accumulated() == 0 and acc.global_step() == 0
     data = json.loads(ok(cli("reset", "r", "-y", "--json", "--url", real.url)))
-    assert data == {"container": "", "name": "r", "dropped": 0, "dropped_from_claims": 0}
+    assert data == {"container": "", "shared_name": "r", "name": "r", "dropped": 0,
+                    "dropped_from_claims": 0}  # fmt: skip
 
 
 def test_reset_and_set_step_name_the_rounds_of_takers_that_are_gone(
