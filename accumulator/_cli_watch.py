@@ -70,6 +70,8 @@ class Rates:
                 "takers_waiting": info.takers_waiting, "applies_per_s": applies,
                 "takes_per_s": takes, "recent_applies_per_s": list(track.applies),
                 "stranded_claims": info.stranded_claims, "stranded_grads": info.stranded_grads,
+                # why it could not be read (a foreign key: its figures mean nothing), or None
+                "error": info.error if isinstance(info, _admin.Unreadable) else None,
             })  # fmt: skip
         for key in set(self.tracks) - seen:  # deleted meanwhile
             del self.tracks[key]
@@ -98,6 +100,9 @@ def render_overview(rows: list[dict[str, Any]], with_container: bool) -> list[st
             str(r["takers_waiting"]), _rate(r["applies_per_s"]), _rate(r["takes_per_s"]),
             sparkline(r["recent_applies_per_s"]),
         ]
+        if not r.get("error")
+        else [*([r["container"] or '""'] if with_container else []), r["shared_name"],
+              "?", "", "", "", "", "", "unreadable (see ls)"]
         for r in rows
     ]  # fmt: skip
     notes = [

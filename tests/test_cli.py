@@ -797,6 +797,14 @@ def test_ls_lists_a_foreign_key_as_a_warning_row(
 
         code, out, _ = _run(target, monkeypatch, "ls", "--container", "x")
         assert code == 0 and out.splitlines()[1].split() == ["y", "?"]
+        # watch marks them too (it showed them as healthy rows of zeros)
+        code, out, _ = _run(target, monkeypatch, "watch", "--count", "1")
+        rows = {line.split()[1]: line for line in out.splitlines() if line.startswith(('""', "x"))}
+        assert code == 0 and "unreadable (see ls)" in rows["y"] and "unreadable" in rows["t"]
+        assert "unreadable" not in rows["good"]
+        code, out, _ = _run(target, monkeypatch, "watch", "--count", "1", "--json")
+        rows = {r["shared_name"]: r for r in json.loads(out)["accumulators"]}
+        assert rows["good"]["error"] is None and "sorted set" in rows["t"]["error"]
         # the library call behind it returns the same entries instead of raising
         listed = accumulator.list_accumulators(client=target.client())
         assert [(i.shared_name, getattr(i, "error", None) is not None) for i in listed] == [
