@@ -17,21 +17,36 @@ if not base then return kerr end
 if #KEYS ~= 5 then return acc_error('BADKEY ' .. #KEYS) end
 local err = check_schema(state, ARGV[1])
 if err then return err end
-local some_claim = base .. ':c:0-0'
 err = check_acl({'DEL', grads, 'DEL', KEYS[3], 'HSET', state, 'HDEL', state,
-  'HINCRBY', state, 'UNLINK', base .. ':b:0:0', 'ZADD', KEYS[4], 'LRANGE', grads,
-  'HGETALL', registry, 'HDEL', registry, 'LRANGE', some_claim, 'DEL', some_claim,
-  'TIME', false})
+  'HINCRBY', state, 'UNLINK', base .. ':b:0:0', 'ZADD', KEYS[4], 'LRANGE', grads})
 if err then return err end
-err = check_types({grads, 'list', KEYS[4], 'zset', registry, 'hash'})
+err = check_types({grads, 'list', KEYS[4], 'zset'})
 if err then return err end
-local now = now_ms()
 local entries = redis.call('LRANGE', grads, '0', '-1')
+local spread = false
+for _, entry in ipairs(entries) do spread = spread or string.sub(entry, 1, 1) == 'd' end
+-- The claims in flight (a user who may not read them has none to drop: a read, no write).
+local marks = redis.pcall('HGETALL', registry)
+if type(marks) == 'table' and marks.err then
+  if not is_refusal(marks.err) then return probe_error('HGETALL', registry, 'hash', marks.err) end
+  marks = {}
+end
+-- What is read from here on, before the first write, needs the time (clocks: TIME only then).
+local now = 0
+if spread or #marks > 0 then
+  err = check_acl({'TIME', false})
+  if err then return err end
+  now = now_ms()
+end
 -- the stranded claims: their entries join the round's (the header, first, is no entry)
-local stranded, in_claims, marks = {}, 0, redis.call('HGETALL', registry)
+local stranded, in_claims = {}, 0
 for i = 1, #marks, 2 do
   local expiry, claim = tonumber(marks[i + 1]), base .. ':c:' .. marks[i]
   if expiry and expiry <= now and is_own(base, claim, 'c') then
+    if #stranded == 0 then
+      err = check_acl({'LRANGE', claim, 'DEL', claim, 'HDEL', registry})
+      if err then return err end
+    end
     local held = redis.pcall('LRANGE', claim, '1', '-1')
     if type(held) == 'table' and not held.err then  -- (a foreign value: not ours to judge)
       stranded[#stranded + 1] = {marks[i], claim}
