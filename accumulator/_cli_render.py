@@ -353,20 +353,21 @@ def render_job(info: _admin.JobInfo) -> list[str]:
         lines.append("  none")
     lines += ["", f"parameters ({len(info.params)})"]
     if info.params:
-        rows = [
-            [
-                p.name,
-                p.shared_name,
-                p.kind,
-                p.dtype,
-                format_shape(p.shape),
+        # the figures are the accumulator's: parameters fused into one say them once (on
+        # its first row; '"' below), not once per parameter, which read as double counts
+        seen: set[str] = set()
+        rows = []
+        for p in info.params:
+            figures = [
                 "missing" if p.step is None else str(p.step),
                 str(p.pending),
                 str(p.takers_waiting),
                 str(p.claimed),
             ]
-            for p in info.params
-        ]
+            if p.shared_name in seen:
+                figures = ['"'] * len(figures)
+            seen.add(p.shared_name)
+            rows.append([p.name, p.shared_name, p.kind, p.dtype, format_shape(p.shape), *figures])
         headers = ["PARAM", "ACCUMULATOR", "KIND", "DTYPE", "SHAPE", "STEP", "PENDING", "TAKERS",
                    "CLAIMED"]  # fmt: skip
         lines += ["  " + x for x in table(headers, rows, right=[5, 6, 7, 8])]

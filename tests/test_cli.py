@@ -902,6 +902,26 @@ def _sync_job(url: str, name: str = "j1"):
     return ps, workers, grads
 
 
+def test_job_says_a_fused_accumulators_figures_once(real: Target) -> None:
+    # (each parameter's row repeated its fused accumulator's PENDING: read as double counts)
+    from accumulator.sync import ParameterServer, Worker
+
+    ps = ParameterServer("jf", replicas_to_aggregate=2, client=real.url)
+    ps.initialize({"w": np.zeros(4, np.float32), "b": np.zeros(2, np.float32)})
+    worker = Worker("jf", client=real.url)
+    worker.pull(timeout=5)
+    worker.push(0, {"w": np.ones(4, np.float32), "b": np.ones(2, np.float32)})
+    try:
+        text = ok(cli("job", "jf", "--url", real.url))
+        rows = text.split("parameters (2)\n", 1)[1].split("\n\n", 1)[0].splitlines()[1:]
+        (first, second) = [r.split() for r in rows]
+        assert first[1] == second[1] and "#fused" in first[1]  # one accumulator
+        assert first[-4:] == ["0", "1", "0", "0"] and second[-4:] == ['"'] * 4
+    finally:
+        worker.close()
+        ps.close()
+
+
 def test_job_shows_step_chief_workers_and_parameters(real: Target) -> None:
     ps, workers, grads = _sync_job(real.url)
     try:
