@@ -366,9 +366,9 @@ def server_info(r: redis.Redis) -> dict[str, Any] | None:
         info = r.info("server")
         if isinstance(r, RedisCluster):  # every primary's (INFO goes to one node by default)
             per_node = r.info("memory", target_nodes=RedisCluster.PRIMARIES)
-            nodes = list(per_node.values()) if isinstance(per_node, dict) else [per_node]
-            if nodes and not isinstance(nodes[0], dict):  # one node: its fields, not a map
-                nodes = [per_node]
+            # node -> its fields; from a cluster of one primary, that node's fields alone
+            maps = all(isinstance(v, dict) for v in per_node.values())
+            nodes = list(per_node.values()) if maps else [per_node]
             memory = {"used_memory": sum(int(n.get("used_memory") or 0) for n in nodes)}
         else:
             memory = r.info("memory")

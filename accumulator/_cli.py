@@ -57,9 +57,7 @@ from collections.abc import Sequence
 from typing import NoReturn, TextIO
 
 import redis
-from redis.exceptions import AuthenticationError, RedisClusterException
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.exceptions import AuthenticationError
 from redis.sentinel import MasterNotFoundError
 
 from . import (
@@ -78,6 +76,7 @@ from ._cli_context import (
     EXIT_NOT_FOUND,
     EXIT_OK,
     EXIT_USAGE,
+    UNREACHABLE,
     CliError,
     Command,
     Context,
@@ -324,7 +323,7 @@ def _translate(ctx: Context, exc: BaseException) -> CliError:
         head = str(exc).split(" : ", 1)[0].strip()
         reason = f"{head} (no Sentinel answered, or none knows that primary)"
         return CliError(EXIT_CONNECT, f"cannot connect to {where}: {reason}", "connect")
-    if isinstance(exc, (RedisConnectionError, RedisTimeoutError, RedisClusterException)):
+    if isinstance(exc, UNREACHABLE):
         reason = str(exc).strip() or type(exc).__name__
         if ctx.tls and not ctx.url.startswith("rediss://"):
             reason += " (with TLS, as --tls asks: does the server speak TLS?)"

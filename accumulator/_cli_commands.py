@@ -9,12 +9,18 @@ import json
 import time
 from typing import Any
 
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisClusterException
-from redis.exceptions import TimeoutError as RedisTimeoutError
-
 from . import _admin, _admin_job, _admin_ops
-from ._cli_context import EXIT_ERROR, EXIT_OK, EXIT_USAGE, CliError, Context, arg, command, esc
+from ._cli_context import (
+    EXIT_ERROR,
+    EXIT_OK,
+    EXIT_USAGE,
+    UNREACHABLE,
+    CliError,
+    Context,
+    arg,
+    command,
+    esc,
+)
 from ._cli_render import (
     _unreadable,
     _where,
@@ -134,7 +140,7 @@ def _watch(ctx: Context, args: argparse.Namespace) -> int:
                     lines = [header, "", *render_show(info, prev)]
                     prev = info
                 lost = None
-            except _UNREACHABLE as exc:
+            except UNREACHABLE as exc:
                 # a restart or a failover: keep watching (the client reconnects)
                 lost = lost or time.strftime("%H:%M:%S")
                 reason = scrub(str(exc).strip() or type(exc).__name__, url_secrets(ctx.url))
@@ -183,25 +189,18 @@ def _named(ctx: Context, name: str) -> dict[str, str]:
     return {"container": ctx.scope, "shared_name": name, "name": name}
 
 
-#: What a watch rides out: the server restarting, failing over, or out of reach a while.
-_UNREACHABLE = (RedisConnectionError, RedisTimeoutError, RedisClusterException)
-
-
-def _stranded(info: _admin.Info) -> list[_admin.LeftClaim]:
-    """The claimed rounds of takers that are gone (lease run out): the next take takes them
-    over, as they were."""
-    return [
-        c for c in info.claims if c.lease_remaining_ms is not None and c.lease_remaining_ms <= 0
-    ]
-
-
 def _in_claims(info: _admin.Info) -> str:
-    """', N gradients in M claimed rounds of takers that are gone' when there are."""
-    left = _stranded(info)
-    if not left:
+    """', N gradients in M claimed rounds of takers that are gone' when there are (the next
+    take takes them over, as they were)."""
+    if not info.stranded_claims:
         return ""
-    return (f", {plural(sum(c.count for c in left), 'gradient')} in "
-            f"{plural(len(left), 'claimed round')} of takers that are gone")  # fmt: skip
+    return (f", {plural(info.stranded_grads, 'gradient')} in "
+            f"{plural(info.stranded_claims, 'claimed round')} of takers that are gone")  # fmt: skip
+
+
+def _some(names: list[str]) -> str:
+    """The first five names, quoted, and '...' when there are more."""
+    return ", ".join(esc(n, quote=True) for n in names[:5]) + (", ..." if len(names) > 5 else "")
 
 
 @command(
@@ -216,7 +215,7 @@ def _in_claims(info: _admin.Info) -> str:
 def _set_step(ctx: Context, args: argparse.Namespace) -> int:
     r = ctx.connect()
     info = _admin.describe(r, args.name, ctx.scope, memory=False)
-    if info.count or info.takers_waiting or _stranded(info):
+    if info.count or info.takers_waiting or info.stranded_claims:
         live = (
             f"{plural(info.count, 'pending gradient')} at step {info.step}, "
             f"{plural(info.takers_waiting, 'waiting taker')}{_in_claims(info)}"
@@ -345,16 +344,11 @@ def _reset_container(ctx: Context, args: argparse.Namespace) -> int:
     jobs = _admin_job.list_jobs(r, ctx.container)
     deleted, jobs_deleted = 0, 0
     if names or jobs:
-        shown = ", ".join(esc(n, quote=True) for n in names[:5]) + (
-            ", ..." if len(names) > 5 else ""
-        )
         where = esc(ctx.container, quote=True)
-        listed = ", ".join(esc(j, quote=True) for j in jobs[:5])
-        listed += ", ..." if len(jobs) > 5 else ""
-        with_jobs = (f" and its {plural(len(jobs), 'sync job')} ({listed}; running or not)"
+        with_jobs = (f" and its {plural(len(jobs), 'sync job')} ({_some(jobs)}; running or not)"
                      if jobs else "")  # fmt: skip
         ctx.confirm(
-            f"Delete all {plural(len(names), 'accumulator')} of container {where} ({shown})"
+            f"Delete all {plural(len(names), 'accumulator')} of container {where} ({_some(names)})"
             f"{with_jobs}?",
             args.yes,
             f"reset container {where}",

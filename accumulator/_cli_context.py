@@ -18,6 +18,9 @@ import redis
 from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
 from redis.connection import SSLConnection, UnixDomainSocketConnection, parse_url
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisClusterException
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from ._connection import TLSConnection, new_cluster, sentinel_client
@@ -31,6 +34,9 @@ EXIT_CONNECT = 3
 EXIT_ERROR = 4
 #: A failure of ours (sysexits' EX_SOFTWARE), not of the server or the input.
 EXIT_INTERNAL = 70
+
+#: The errors that say the server cannot be reached (exit 3; ``watch`` rides them out).
+UNREACHABLE = (RedisConnectionError, RedisTimeoutError, RedisClusterException)
 
 CONNECT_TIMEOUT = 5.0
 COMMAND_TIMEOUT = 30.0
