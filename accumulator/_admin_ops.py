@@ -141,7 +141,8 @@ def delete(
     # it since (a worker's open). Its keys go in batches through lua/purge.lua, which deletes
     # nothing once the name exists again; so do the payloads the claims found name (spread
     # ones, in other slots, after the last batch).
-    rest = sorted(_scan(r, keys.pattern))
+    found = [key for key in _scan(r, keys.family_pattern) if keys.owns(key)]
+    rest = sorted(key for key in found if not key.startswith(keys.spread_head))
     claimed: list[bytes] = []
     for name in rest:
         if name.startswith(keys.claim("").encode()):
@@ -158,6 +159,13 @@ def delete(
             return removed
         removed += purged
     removed += _unlink(r, [key for key in payloads if not key.startswith(own)])
+    # spread parts that nothing names any more (registration lost in a failover, or by a
+    # client that died before that was fixed), unless the name was created again meanwhile:
+    # a new accumulator's apply whose parts went is refused as a missing payload and sent
+    # again, never counted in part
+    stray = sorted(key for key in found if key.startswith(keys.spread_head))
+    if stray and not r.exists(keys.state):
+        removed += _unlink(r, stray)
     if removed == 0:
         raise _not_found(shared_name, container)
     return removed

@@ -185,15 +185,31 @@ class Keys:
         return self.base + ":o"
 
     @cached_property
-    def _spread_head(self) -> bytes:
-        # the tag's inner text, then "%p": escaped names never hold "%" before a non-hex
-        # digit, so no accumulator's own tag can equal a spread part's
+    def spread_head(self) -> bytes:
+        """How every spread part's key begins: the tag's inner text, then ``%p`` (escaped
+        names never hold ``%`` before a non-hex digit, so no accumulator's own tag can equal
+        a spread part's)."""
         return self.base[:-1].encode() + b"%p"
 
     @cached_property
     def spread_pattern(self) -> str:
         """SCAN MATCH pattern for every spread part of this accumulator (scan every node)."""
-        return glob_escape(self._spread_head.decode()) + "*"
+        return glob_escape(self.spread_head.decode()) + "*"
+
+    @cached_property
+    def family_pattern(self) -> str:
+        """SCAN MATCH pattern for every key of this accumulator and its spread parts, in one
+        scan (it also matches names that begin with this one: filter with :meth:`owns`)."""
+        return glob_escape(self.base[:-1]) + "*"
+
+    def owns(self, key: bytes) -> bool:
+        """Whether a key found by :attr:`family_pattern` is this accumulator's (a key of its
+        slot or a spread part), not one of a longer name's."""
+        return key.startswith(self._own_head) or key.startswith(self.spread_head)
+
+    @cached_property
+    def _own_head(self) -> bytes:
+        return self.base.encode() + b":"
 
     def spread_part(self, blob: str | bytes, index: int) -> bytes:
         """Key of part ``index`` of the spread payload ``blob`` (a blob key of this
@@ -201,7 +217,7 @@ class Keys:
         accumulator's other keys."""
         raw = blob.encode() if isinstance(blob, str) else blob
         tail = raw[len(self.base) :]  # b":b:<cid>:<seq>"
-        return self._spread_head + b"%d}" % index + tail + b":%d" % index
+        return self.spread_head + b"%d}" % index + tail + b":%d" % index
 
     def blob(self, client_id: str, seq: int) -> str:
         return f"{self.base}:b:{client_id}:{seq}"

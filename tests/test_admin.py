@@ -472,6 +472,29 @@ def test_delete_removes_every_key(make: Callable[..., Any], r: redis.Redis) -> N
     assert _admin.describe(r, "other").count == 1
 
 
+def test_delete_removes_spread_parts_that_nothing_names(
+    make: Callable[..., Any], r: redis.Redis
+) -> None:
+    """Parts of a spread gradient whose registration was lost (a failover, or a client that
+    died before that was fixed) have no expiry and were named by nothing, so no tool found
+    them: `delete` now finds them by their key pattern. A longer name's are kept (cluster
+    review, left alone in stop 35)."""
+    acc = make("spread", shape=BIG, spread_parts=True)
+    longer = make("spread2", shape=BIG, spread_parts=True)
+    assert acc.apply_grad(np.ones(BIG), local_step=0)
+    assert longer.apply_grad(np.ones(BIG), local_step=0)
+    keys, other = Keys("", "spread"), Keys("", "spread2")
+    stray = [keys.spread_part(keys.blob("0a1b", 7), i) for i in range(2)]
+    for key in stray:
+        r.set(key, b"x" * 16)
+    kept, before = _keys_of(r, other), _keys_of(r, keys)
+    assert set(stray) < set(before)
+    assert _admin.delete(r, "spread") == len(before)
+    assert _keys_of(r, keys) == []
+    assert _keys_of(r, other) == kept
+    np.testing.assert_array_equal(longer.take_grad(1), np.ones(BIG))
+
+
 def test_delete_keeps_an_accumulator_created_again_while_it_deletes(
     make: Callable[..., Any], r: redis.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
