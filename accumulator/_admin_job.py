@@ -21,7 +21,7 @@ import redis
 
 from . import _fusion, _scripts
 from ._admin_info import _int, _server_ms, live_takers, queue_time
-from ._admin_ops import delete
+from ._admin_ops import delete_many
 from ._codec import reply_text, resolve_dtype
 from ._errors import InvalidArgumentError, NotFoundError, ResourceExhaustedError
 from ._keys import (
@@ -332,13 +332,11 @@ def delete_job(
                 "force to delete it anyway"
             )
         specs, *_, unit_of = _job_specs(meta)
-        removed = 0
-        for name in dict.fromkeys(unit_of[s.name] for s in specs):
-            try:
-                removed += delete(r, f"{job}/{name}", container, prefix=prefix)
-            except NotFoundError:
-                continue
-            lease.renew()  # (a model of many accumulators takes a while)
+        named = [Keys(container, f"{job}/{name}", prefix)
+                 for name in dict.fromkeys(unit_of[s.name] for s in specs)]  # fmt: skip
+        # (a model of many accumulators takes a while: the lease is renewed as it goes)
+        removed = sum(delete_many(r, named, within=Keys(container, f"{job}/", prefix),
+                                  progress=lease.renew))  # fmt: skip
         removed += int(r.unlink(keys.params, keys.stats))
         removed += delete_param_versions(r, keys)
     finally:

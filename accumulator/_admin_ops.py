@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -121,12 +122,44 @@ def delete(
     :class:`PermissionDeniedError` before deleting anything when the user may not run the
     transaction it starts with (``checked``: the caller found it may)."""
     keys = Keys(container, shared_name, prefix)
-    if not checked:
-        require_transactions(r, keys.state)
+    (removed,) = delete_many(r, [keys], within=keys, checked=checked)
+    if removed == 0:
+        raise _not_found(shared_name, container)
+    return removed
+
+
+def delete_many(
+    r: redis.Redis, accumulators: list[Keys], *, within: Keys, checked: bool = False,
+    progress: Callable[[], None] = lambda: None,
+) -> list[int]:  # fmt: skip
+    """:func:`delete` of several accumulators with one SCAN for their keys: that of
+    ``within.family_pattern``, which must match every key of them all (``Keys(container, "")``
+    for a container's, ``Keys(container, "job/")`` for a sync job's). Returns the keys deleted
+    of each (0: there was none). ``progress`` is called after each step of each accumulator
+    (a caller holding a lease renews it)."""
+    if accumulators and not checked:
+        require_transactions(r, accumulators[0].state)
+    removed = []
+    for keys in accumulators:
+        removed.append(_delete_named(r, keys))
+        progress()
+    # What is found under the names now may be another accumulator's: one created again
+    # under a name since (a worker's open): :func:`_delete_found` keeps it.
+    found = _group_by_owner(_scan(r, within.family_pattern), accumulators)
+    for n, keys in enumerate(accumulators):
+        removed[n] += _delete_found(r, keys, found.get(keys.base, []))
+        progress()
+    return removed
+
+
+def _delete_named(r: redis.Redis, keys: Keys) -> int:
+    """Delete what the state names: its fixed keys, the round's payloads, the spread
+    payloads registered or dropped. The state goes first, atomically with reading the round:
+    from then on every script answers NOTFOUND, so nothing new is added while the rest is
+    found and removed."""
     fixed = [keys.state, keys.grads, keys.takers, keys.taker_info, keys.wake, keys.queue_wake,
              keys.quarantine, keys.claims, keys.finished, keys.orphans]  # fmt: skip
-    # The state first, atomically with reading the round: from here on every script answers
-    # NOTFOUND, so nothing new is added while the rest is found and removed.
+
     def queue(pipe: Any) -> None:
         pipe.lrange(keys.grads, 0, -1)
         pipe.zrange(keys.orphans, 0, -1)
@@ -136,12 +169,30 @@ def delete(
     # spread payloads not in the round: registered, dropped, taken (their parts elsewhere)
     removed = int(removed) + _unlink(r, keys.orphan_parts(orphans))
     # round entries are untrusted: only this accumulator's own payload keys are deleted
-    removed += _unlink(r, keys.payload_keys(entries))
-    # What is found under the name now may be another accumulator's: one created again under
-    # it since (a worker's open). Its keys go in batches through lua/purge.lua, which deletes
-    # nothing once the name exists again; so do the payloads the claims found name (spread
-    # ones, in other slots, after the last batch).
-    found = [key for key in _scan(r, keys.family_pattern) if keys.owns(key)]
+    return removed + _unlink(r, keys.payload_keys(entries))
+
+
+def _group_by_owner(found: set[bytes], accumulators: list[Keys]) -> dict[str, list[bytes]]:
+    """The keys found, by the base of the accumulator (of those given) that owns them."""
+    owners = {keys.base: keys for keys in accumulators}
+    grouped: dict[str, list[bytes]] = {}
+    for key in found:
+        close = key.find(b"}")
+        tag = key[: close + 1] if close >= 0 else b""
+        if b"%p" in tag:  # a spread part: its tag is the accumulator's, "%p<i>" added
+            tag = tag[: tag.index(b"%p")] + b"}"
+        keys = owners.get(tag.decode("utf-8", "replace"))
+        if keys is not None and keys.owns(key):
+            grouped.setdefault(keys.base, []).append(key)
+    return grouped
+
+
+def _delete_found(r: redis.Redis, keys: Keys, found: list[bytes]) -> int:
+    """Delete the keys found under a deleted accumulator's name (its claims, their payloads,
+    the retry records, spread parts nothing names) unless the name was created again since:
+    those go in batches through lua/purge.lua, which deletes nothing once the name exists
+    again; so do the payloads the claims name (spread ones, in other slots, after the last
+    batch)."""
     rest = sorted(key for key in found if not key.startswith(keys.spread_head))
     claimed: list[bytes] = []
     for name in rest:
@@ -150,12 +201,13 @@ def delete(
     own = (keys.base + ":").encode()
     payloads = keys.payload_keys(claimed)
     rest += [key for key in payloads if key.startswith(own)]
+    removed = 0
     for i in range(0, len(rest), 500):
         purged = int(_scripts.call(r, "purge", [keys.state, *rest[i : i + 500]], []))
         if purged < 0:
             logger.info("accumulator %r was created again while it was deleted: the keys of the "
                         "new one are kept, and what was left of the old one (`delete` removes "
-                        "it once the new one is gone)", shared_name)  # fmt: skip
+                        "it once the new one is gone)", keys.shared_name)  # fmt: skip
             return removed
         removed += purged
     removed += _unlink(r, [key for key in payloads if not key.startswith(own)])
@@ -166,24 +218,15 @@ def delete(
     stray = sorted(key for key in found if key.startswith(keys.spread_head))
     if stray and not r.exists(keys.state):
         removed += _unlink(r, stray)
-    if removed == 0:
-        raise _not_found(shared_name, container)
     return removed
 
 
 def reset_container(r: redis.Redis, container: str, *, prefix: str = DEFAULT_PREFIX) -> int:
     """Delete every accumulator of one container (TF's container reset). Returns how many."""
-    deleted = 0
-    for info in list_accumulators(r, container, prefix=prefix):
-        keys = Keys(info.container, info.shared_name, prefix)
-        if not deleted:  # before the first delete (the same user for every one)
-            require_transactions(r, keys.state)
-        try:
-            delete(r, info.shared_name, info.container, prefix=prefix, checked=True)
-        except NotFoundError:  # deleted by someone else meanwhile
-            continue
-        deleted += 1
-    return deleted
+    named = [Keys(info.container, info.shared_name, prefix)
+             for info in list_accumulators(r, container, prefix=prefix)]  # fmt: skip
+    removed = delete_many(r, named, within=Keys(container, "", prefix))
+    return sum(1 for n in removed if n)  # (0: deleted by someone else meanwhile)
 
 
 def check_taker(
