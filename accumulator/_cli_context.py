@@ -298,8 +298,11 @@ class Context:
                 f"refusing to {what} without confirmation: stdin is not a terminal; pass --yes",
                 "refused",
             )
-        self.err.write(f"{question} [y/N] ")
-        self.err.flush()
+        # on stderr, unless only stdout shows on the terminal (``2>log``: the question would
+        # be invisible while the command waits for an answer)
+        ask = self.out if self.out.isatty() and not self.err.isatty() else self.err
+        ask.write(f"{question} [y/N] ")
+        ask.flush()
         answer = self.stdin.readline().strip().lower()
         if answer not in ("y", "yes"):
             raise CliError(EXIT_USAGE, "aborted, nothing changed", "refused")

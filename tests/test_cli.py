@@ -632,6 +632,18 @@ def test_confirmation_on_a_terminal(real: Target, make: Callable[..., Any]) -> N
     assert "dropped 1 pending gradient" in out.getvalue()
 
 
+def test_the_question_shows_on_stdout_when_only_stdout_is_a_terminal(
+    real: Target, make: Callable[..., Any]
+) -> None:
+    """``accumulator reset x 2>log`` on a terminal: the question went to the log and the
+    command waited for an answer to a question nobody saw (CLI review)."""
+    make("c").apply_grad(np.ones(SHAPE), local_step=0)
+    out, err = _Terminal(), io.StringIO()
+    code = _cli.main(["reset", "c", "--url", real.url], stdout=out, stderr=err,
+                     stdin=_Terminal("n\n"))  # fmt: skip
+    assert code == 2 and "[y/N]" in out.getvalue() and "[y/N]" not in err.getvalue()
+
+
 def test_adding_a_command_is_one_function() -> None:
     @_cli.command("hello", "say hello", _cli.arg("--who", default="world"))
     def _hello(ctx: _cli.Context, args: argparse.Namespace) -> int:
