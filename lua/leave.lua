@@ -74,5 +74,7 @@ redis.call('HSET', state, 'count', int_str(count),
   'gen', int_str(tonumber(hgen) - 1), 'n_taken', int_str(tonumber(st.n_taken) - 1),
   'grads_taken', int_str(tonumber(st.grads_taken) - tonumber(hcount)))
 if flag == '1' then redis.call('HSET', state, 'rshape', rshape) end
+-- the time of the last take was this one's: with no take left, there was none
+if tonumber(st.n_taken) == 1 then redis.call('HDEL', state, 'last_take_ms', 'last_take_wait_ms') end
 wake_head(state, takers, KEYS[3], KEYS[4], count)
 return 1

@@ -325,6 +325,7 @@ def test_interrupted_take_gives_its_claim_back(
     assert _leave(r, "interrupted", "2-dead") == 1
     info = _admin.describe(r, "interrupted")
     assert info.claims == () and info.step == 0 and info.count == 2 and info.n_taken == 0
+    assert info.last_take_ms is None  # (`show` said "takes 0", then "last take 3s ago")
     np.testing.assert_array_equal(acc.take_grad(2), np.full(SHAPE, 1.5))
     assert acc.global_step() == 1
 
