@@ -132,13 +132,18 @@ def render_ls(
         for i in infos
         if (error := _unreadable(i)) is not None
     ]
+    read_badly = [
+        f"warning: {_where(i.shared_name, i.container)}: {esc(i.definition_error)}"
+        for i in infos
+        if i.definition_error and _unreadable(i) is None
+    ]
     notes = [
         f"note: {_where(i.shared_name, i.container)}: {stranded_text(i)}"
         for i in infos
         if i.stranded_claims and _unreadable(i) is None
     ]
-    if warnings or notes:
-        lines += ["", *warnings, *notes]
+    if warnings or read_badly or notes:
+        lines += ["", *warnings, *read_badly, *notes]
     footer = plural(len(infos) - len(warnings), "accumulator")
     if warnings:
         footer += f" (and {len(warnings)} unreadable, listed with KIND ?)"

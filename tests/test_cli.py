@@ -593,6 +593,11 @@ def test_what_the_cli_cannot_read_is_no_traceback(
         out = ok(cli(*command, "--url", real.url))  # one bad entry takes nothing down
         assert "odd" in out
     assert "fine" in ok(cli("ls", "--url", real.url))
+    assert "warning: 'odd': unreadable round shape b'x,y'" in ok(cli("ls", "--url", real.url))
+    # a step that is not a number was shown as step 0, as if fresh (CLI review)
+    real.redis().hset(Keys("", "fine").state, "step", "seven")
+    assert "warning: 'fine': unreadable step b'seven'" in ok(cli("ls", "--url", real.url))
+    assert "unreadable step b'seven'" in ok(cli("show", "fine", "--url", real.url))
     # a URL asking for str replies: ours read bytes all the same
     if real.kind != "cluster":  # (redis+cluster:// passes no such option on)
         ok(cli("ls", "--url", real.url + "?decode_responses=true"))
