@@ -32,7 +32,7 @@ from ._cli_render import (
     render_show,
 )
 from ._cli_watch import Rates, render_overview
-from ._errors import NotFoundError
+from ._errors import InvalidArgumentError, NotFoundError
 from ._redact import redact_url, scrub, url_secrets
 
 
@@ -420,7 +420,15 @@ def _job(ctx: Context, args: argparse.Namespace) -> int:
     )
     # (checked again while the delete holds the job's chief lease: a job started again
     # during the question is refused, unless --force)
-    removed = _admin.delete_job(r, args.name, ctx.scope, force=args.force)
+    try:
+        removed = _admin.delete_job(r, args.name, ctx.scope, force=args.force)
+    except InvalidArgumentError as exc:  # its one refusal: the job runs again
+        raise CliError(
+            EXIT_USAGE,
+            f"sync job {where} was started again while you were asked; nothing was deleted "
+            "(pass --force to delete it anyway)",
+            "refused",
+        ) from exc
     if ctx.json:
         ctx.dump({"container": ctx.scope, "job": args.name, "keys_deleted": removed})
     else:

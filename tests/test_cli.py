@@ -1012,6 +1012,20 @@ def test_job_delete(real: Target) -> None:
         assert "--force goes with --delete" in err
         assert r.exists("accsync:{:j1}:p") and len(_admin.list_accumulators(r)) == 2
         ps.finish()
+        # started again while the question waits: refused in the CLI's words (it said "pass
+        # force", the library's; CLI review)
+        class StartedAgain(_Terminal):
+            def readline(self, *args: Any) -> str:
+                r.hset("accsync:{:j1}:p", "done", "0")
+                return "y\n"
+
+        out_, err_ = io.StringIO(), io.StringIO()
+        code = _cli.main(["job", "j1", "--delete", "--url", real.url], stdout=out_,
+                         stderr=err_, stdin=StartedAgain())  # fmt: skip
+        assert code == 2 and "'j1' was started again while you were asked; nothing was " \
+            "deleted (pass --force to delete it anyway)" in err_.getvalue()  # fmt: skip
+        assert len(_admin.list_accumulators(r)) == 2
+        r.hset("accsync:{:j1}:p", "done", "1")
         out = ok(cli("job", "j1", "--delete", "--yes", "--url", real.url))
         assert re.fullmatch(r"deleted sync job 'j1' \(\d+ keys\)\n", out)
         assert list(r.scan_iter()) == []
