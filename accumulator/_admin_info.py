@@ -192,9 +192,9 @@ def _info(
     except (ValueError, TypeError):  # written by something else than our scripts
         round_shape = None
         def_error = def_error or f"unreadable round shape {rshape!r}"
-    for name in (b"step", b"count"):  # shown as 0 they read as a fresh round
-        if _int(state.get(name), None) is None and not def_error:
-            def_error = f"unreadable {name.decode()} {state.get(name)!r}"
+    for stat in (b"step", b"count"):  # shown as 0 they read as a fresh round
+        if _int(state.get(stat), None) is None and not def_error:
+            def_error = f"unreadable {stat.decode()} {state.get(stat)!r}"
     return Info(
         container=container,
         shared_name=name,
