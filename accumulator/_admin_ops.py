@@ -23,7 +23,7 @@ from ._errors import (
     ResourceExhaustedError,
 )
 from ._keys import DEFAULT_PREFIX, SCHEMA_VERSION, SCHEMAS, Keys
-from ._model import SWEEP_LEASE_MS
+from ._model import SWEEP_LEASE_MS, old_step
 
 logger = logging.getLogger("accumulator")
 
@@ -69,8 +69,9 @@ def _sweep_after(r: redis.Redis, keys: Keys, done: str) -> None:
 
 def set_step(
     r: redis.Redis, shared_name: str, n: int, container: str = "", *, prefix: str = DEFAULT_PREFIX
-) -> int:
-    """Set the global step (also downwards); the pending round is kept. Returns the old step."""
+) -> int | None:
+    """Set the global step (also downwards); the pending round is kept. Returns the old step
+    (None when it was not a number: written by another program, repaired now)."""
     if isinstance(n, bool) or not isinstance(n, int):
         raise InvalidArgumentError(f"the global step must be an integer, got {n!r}")
     if not -(2**63) <= n < 2**63:
@@ -80,7 +81,7 @@ def set_step(
         old = _scripts.call(r, "set_step", [keys.state], [schema_of(r, keys), n])
     except NotFoundError as exc:
         raise _not_found(shared_name, container) from exc
-    return int(old)
+    return old_step(old, shared_name)
 
 
 def reset(

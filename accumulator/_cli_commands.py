@@ -232,7 +232,8 @@ def _set_step(ctx: Context, args: argparse.Namespace) -> int:
             {**_named(ctx, args.name), "previous_step": old, "step": args.step}
         )
     else:
-        ctx.write(f"global step of {_where(args.name, ctx.scope)}: {old} -> {args.step}")
+        ctx.write(f"global step of {_where(args.name, ctx.scope)}: "
+                  f"{'?' if old is None else old} -> {args.step}")  # fmt: skip
     return EXIT_OK
 
 

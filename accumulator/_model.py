@@ -393,9 +393,10 @@ class AccumulatorModel:
     def _set_step_ops(self, new_global_step: Any) -> Ops[None]:
         self._check_open()
         new = scalar_int(new_global_step, "new_global_step")
-        old = int((yield Call("set_global_step", "set_step", [self._keys.state],
-                              [self._schema, new, self._instance])))  # fmt: skip
-        if new < old:
+        reply = yield Call("set_global_step", "set_step", [self._keys.state],
+                           [self._schema, new, self._instance])  # fmt: skip
+        old = old_step(reply, self._shared_name)
+        if old is not None and new < old:
             logger.warning(
                 "Attempt to set current_global_step_ to smaller value: "
                 "current_global_step_ = %d >= %d = new_global_step.",
@@ -456,3 +457,14 @@ def _warn_if_evicting(where: tuple[Any, ...]) -> Ops[None]:
             "apply twice; use 'noeviction' (see the README, 'Memory and eviction')",
             policy,
         )
+
+
+def old_step(reply: Any, shared_name: str) -> int | None:
+    """The previous step set_step.lua returned; None when it was not a number (written by
+    another program: the set repairs it), logged."""
+    try:
+        return int(reply)
+    except (TypeError, ValueError):
+        logger.warning("the global step of %r was not a number (%r): it is set now",
+                       shared_name, reply)  # fmt: skip
+        return None

@@ -153,7 +153,7 @@ def take(
             if len(reply) > 2 and int(reply[2] or 0):
                 logger.warning(
                     "take_grad on %r quarantined %d corrupt gradient entries (foreign key "
-                    "names, missing or resized payloads); see `accumulator show`",
+                    "names, missing, resized or lost payloads); see `accumulator show`",
                     acc._shared_name, int(reply[2]),
                 )  # fmt: skip
                 if acc.spreads_parts:  # their parts are garbage now
@@ -214,8 +214,8 @@ def take(
 
 def _check_spread(acc: AccumulatorModel, entries: list[bytes]) -> Ops[dict[bytes, bytes]]:
     """Each spread entry's payload length, found by STRLEN of its parts (one pipeline per
-    node), or why it cannot be read: ``missing``, ``part <i> length <n>`` (the twin of
-    ``entry_length`` in lua/_common.lua), ``foreign``."""
+    node), or why it cannot be read: ``missing``, ``part <i> length <n>``, ``part <i> not a
+    string`` (the twin of ``entry_length`` in lua/_common.lua), ``foreign``."""
     found: dict[bytes, bytes] = {}
     wanted: list[tuple[bytes, list[bytes]]] = []
     for entry in entries:
@@ -225,13 +225,18 @@ def _check_spread(acc: AccumulatorModel, entries: list[bytes]) -> Ops[dict[bytes
         else:
             wanted.append((entry, keys))
     commands = [("STRLEN", key) for _, keys in wanted for key in keys]
-    lengths = iter((yield Batch("take_grad (checking)", commands)) if commands else ())
+    batch = Batch("take_grad (checking)", commands, raise_on_error=False)
+    lengths = iter((yield batch) if commands else ())
     for entry, keys in wanted:
         total, why = 0, b""
         for i in range(len(keys)):
-            n = int(next(lengths))
+            n = next(lengths)
             longest = _chunks.CHUNK_BYTES if len(keys) > 1 else _chunks.SOLE_PART_BYTES
-            if n == 0:
+            if isinstance(n, Exception):
+                if "WRONGTYPE" not in str(n):
+                    raise n  # (refused by the ACL, ...: nothing is quarantined for that)
+                why, n = why or b"part %d not a string" % i, 0  # a value of another type
+            elif n == 0:
                 why = why or b"missing"
             elif n > longest or (i < len(keys) - 1 and n != _chunks.CHUNK_BYTES):
                 why = why or b"part %d length %d" % (i, n)

@@ -32,15 +32,6 @@ local function probe_error(command, key, kind, err)
   return refused(command, key, err)
 end
 
--- nil when the state hash exists with the schema this client speaks, else an error reply.
-local function check_schema(state, want)
-  local have = redis.pcall('HGET', state, 'schema')
-  if type(have) == 'table' and have.err then return probe_error('HGET', state, 'hash', have.err) end
-  if not have then return acc_error('NOTFOUND') end
-  if have ~= want then return acc_error('SCHEMA ' .. have) end
-  return nil
-end
-
 -- An instance id as open.lua stores it (hex, 32 digits at most), or '' / absent (none).
 local function is_inst(s)
   return string.find(s or '', '^%x*$') ~= nil and #(s or '') <= 32
@@ -55,21 +46,6 @@ end
 local function check_inst(stored, want)
   if (want or '') ~= '' and stored ~= want then return acc_error('RECREATED') end
   return nil
-end
-
--- One HMGET for the schema check, the instance check (`inst`: the id the caller's object
--- opened; nil or '': none) and the fields a script needs (a call per field costs more than the
--- work). Returns an error reply, or nil and a table field -> value (false if unset).
-local function read_state(state, want, fields, inst)
-  local values = redis.pcall('HMGET', state, 'schema', 'inst', unpack(fields))
-  if values.err then return probe_error('HMGET', state, 'hash', values.err) end
-  if not values[1] then return acc_error('NOTFOUND') end
-  if values[1] ~= want then return acc_error('SCHEMA ' .. values[1]) end
-  local err = check_inst(values[2], inst)
-  if err then return err end
-  local out = {}
-  for i, name in ipairs(fields) do out[name] = values[i + 2] end
-  return nil, out
 end
 
 -- Integers as decimal strings. Lua's own number-to-string conversion ('%.14g') turns
@@ -148,6 +124,54 @@ end
 -- zero (Redis refuses "0100" where a script passes it on, e.g. as an expiry, after a write).
 local function is_count(s)
   return type(s) == 'string' and #s <= 18 and (s == '0' or string.find(s, '^[1-9]%d*$') ~= nil)
+end
+
+-- The state fields that hold integers, and what an unset one means (absent here: it must be
+-- set). A value written by another program (not a number, or '' ) would fail a script after
+-- its first write, where arithmetic or HINCRBY meets it: read_state refuses it before.
+local STATE_INTS = {step = false, count = false, gen = false, bytes = false, ttl = '0',
+  n_taken = '0', grads_taken = '0', n_applied = '0', maxbytes = false, sealed = false}
+local STATE_OPTIONAL = {maxbytes = true, sealed = true}
+
+-- One HMGET for the schema check, the instance check (`inst`: the id the caller's object
+-- opened; nil or '': none) and the fields a script needs (a call per field costs more than the
+-- work). Returns an error reply, or nil and a table field -> value (false if unset; the
+-- default of STATE_INTS for an unset counter). Integer fields are checked: BADSTATE when one
+-- is not (ttl: any non-negative number, as older versions wrote it).
+local function read_state(state, want, fields, inst)
+  local values = redis.pcall('HMGET', state, 'schema', 'inst', unpack(fields))
+  if values.err then return probe_error('HMGET', state, 'hash', values.err) end
+  if not values[1] then return acc_error('NOTFOUND') end
+  if values[1] ~= want then return acc_error('SCHEMA ' .. values[1]) end
+  local err = check_inst(values[2], inst)
+  if err then return err end
+  local out = {}
+  for i, name in ipairs(fields) do
+    local value, default = values[i + 2], STATE_INTS[name]
+    if default ~= nil then
+      if not value then
+        value = default
+        if not value and not STATE_OPTIONAL[name] then
+          return acc_error('BADSTATE the state field ' .. name .. ' is missing')
+        end
+      end
+      local ok
+      if name == 'ttl' then
+        local ms = tonumber(value)
+        ok = ms ~= nil and ms >= 0 and ms < 2^53
+      elseif name == 'step' or name == 'sealed' then
+        ok = is_int64(value)
+      else
+        ok = is_count(value)
+      end
+      if value and not ok then
+        return acc_error('BADSTATE the state field ' .. name .. ' holds ' ..
+          string.format('%q', string.sub(value, 1, 40)) .. ', not a number it can hold')
+      end
+    end
+    out[name] = value
+  end
+  return nil, out
 end
 
 -- Every key a script touches is one of its own accumulator's: KEYS[1] is '<base>:s' and each
@@ -305,13 +329,16 @@ local function entry_length(entry, keys)
   local kind = string.sub(entry, 1, 1)
   if kind == 'i' then return #entry - 1 end
   if kind == 'k' then
-    local len = redis.call('STRLEN', keys[1])
+    local len = redis.pcall('STRLEN', keys[1])
+    if type(len) ~= 'number' then return nil, 'not a string' end
     if len == 0 then return nil, 'missing' end
     return len
   end
   local total, first = 0, entry_first_part(entry)
   for i, key in ipairs(keys) do
-    local len = redis.call('STRLEN', key)
+    -- (pcall: a payload overwritten with another type is quarantined like a resized one)
+    local len = redis.pcall('STRLEN', key)
+    if type(len) ~= 'number' then return nil, 'part ' .. (first + i - 1) .. ' not a string' end
     if len == 0 then return nil, 'missing' end
     if len > (#keys == 1 and SOLE or CHUNK) or (i < #keys and len ~= CHUNK) then
       return nil, 'part ' .. (first + i - 1) .. ' length ' .. len

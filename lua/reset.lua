@@ -15,7 +15,7 @@ local registry = KEYS[5]
 local base, kerr = own_keys({':g', ':x', ':o', ':cl'})
 if not base then return kerr end
 if #KEYS ~= 5 then return acc_error('BADKEY ' .. #KEYS) end
-local err = check_schema(state, ARGV[1])
+local err = read_state(state, ARGV[1], {'gen'})  -- (gen: checked before HINCRBY meets it)
 if err then return err end
 err = check_acl({'DEL', grads, 'DEL', KEYS[3], 'HSET', state, 'HDEL', state,
   'HINCRBY', state, 'UNLINK', base .. ':b:0:0', 'ZADD', KEYS[4], 'LRANGE', grads})

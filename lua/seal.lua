@@ -9,10 +9,10 @@
 local state = KEYS[1]
 if not own_keys({}) then return acc_error('BADKEY 1') end
 if not is_int64(ARGV[2]) or not is_inst(ARGV[3]) then return acc_error('BADARG seal') end
-local err = read_state(state, ARGV[1], {}, ARGV[3])
+local err, st = read_state(state, ARGV[1], {'ttl'}, ARGV[3])
 if err then return err end
 err = check_acl({'HSET', state, 'PEXPIRE', state})
 if err then return err end
 redis.call('HSET', state, 'sealed', ARGV[2])
-touch(state, {state})
+touch(state, {state}, st.ttl)
 return 1

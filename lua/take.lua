@@ -82,7 +82,10 @@ local function with_payloads(entries, quarantined, adopted)
     if string.sub(entry, 1, 1) ~= 'i' then
       local one = entry_first_part(entry) == 0 and entry_keys(base, entry)
       if not one or #one ~= 1 then return {1, entries, quarantined, adopted} end
-      total = total + redis.call('STRLEN', one[1])
+      -- (pcall: a payload overwritten since it was checked is the client's to find, reading)
+      local len = redis.pcall('STRLEN', one[1])
+      if type(len) ~= 'number' then return {1, entries, quarantined, adopted} end
+      total = total + len
       if total > SENT_MAX then return {1, entries, quarantined, adopted} end
       keys[i - 1], any = one[1], true
     end
@@ -90,7 +93,8 @@ local function with_payloads(entries, quarantined, adopted)
   if not any then return {1, entries, quarantined, adopted} end
   local payloads = {}
   for i = 1, #entries - 1 do
-    payloads[i] = keys[i] and redis.call('GET', keys[i]) or false
+    payloads[i] = keys[i] and redis.pcall('GET', keys[i]) or false
+    if type(payloads[i]) == 'table' then return {1, entries, quarantined, adopted} end
   end
   return {1, entries, quarantined, adopted, payloads}
 end
@@ -220,21 +224,33 @@ if not queued and count >= n then
       end
     end
   end
-  if #bad == 0 then validated = entries end
-  if #bad > 0 then
+  -- The entries' weight must be the count: a round list lost (evicted under an allkeys-*
+  -- policy while the state stayed) or cut short would otherwise be claimed as counted, the
+  -- step advanced and the mean divided by gradients that are not there (security review).
+  -- What is there is what is claimed; the rest is recorded in the quarantine as lost.
+  local lost = count - held
+  for _, b in ipairs(bad) do lost = lost - entry_weight(b[3]) end
+  if #bad == 0 and lost == 0 then validated = entries end
+  if lost > 0 then
+    bad[#bad + 1] = {false, 'lost', int_str(lost) .. ' counted gradient(s) not in the round'}
+  end
+  if #bad > 0 or held ~= count then
     for _, b in ipairs(bad) do
-      discard_spread(base, KEYS[10], {b[3]}, now)  -- a sweeper deletes its parts
-      redis.call('LSET', grads, b[1] - 1, '\0bad')
+      if b[1] then
+        discard_spread(base, KEYS[10], {b[3]}, now)  -- a sweeper deletes its parts
+        redis.call('LSET', grads, b[1] - 1, '\0bad')
+        -- payload keys of ours in an unusable entry are freed (a foreign key is never touched)
+        if b[4] then unlink_all(b[4]) end
+      end
       redis.call('RPUSH', KEYS[8], b[2] .. ' ' .. b[3])
-      -- payload keys of ours in an unusable entry are freed (a foreign key is never touched)
-      if b[4] then unlink_all(b[4]) end
     end
-    redis.call('LREM', grads, '0', '\0bad')
+    if #bad > 0 and bad[1][1] then redis.call('LREM', grads, '0', '\0bad') end
     count = held
     nbytes = int_str(total)
-    quarantined = #bad
+    quarantined = #bad  -- (gradients: a lost one's record stands for each it names)
+    if lost > 0 then quarantined = quarantined - 1 + lost end
     redis.call('HSET', state, 'count', int_str(count), 'bytes', nbytes)
-    redis.call('HINCRBY', state, 'n_quarantined', #bad)
+    redis.call('HINCRBY', state, 'n_quarantined', int_str(quarantined))
     if count == 0 then redis.call('HDEL', state, 'rshape') end
     touch(state, {KEYS[8]}, st.ttl)
   end

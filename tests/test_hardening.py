@@ -178,6 +178,75 @@ def test_a_missing_or_resized_payload_is_quarantined_not_claimed(target):
     assert reasons == [b"length", b"missing"]
 
 
+def test_a_payload_overwritten_with_another_type_is_quarantined_not_a_raw_error(target):
+    """Every take raised Redis's WRONGTYPE and the round could never be taken (security
+    review): it is quarantined like a resized payload."""
+    r = target.redis()
+    acc = make(target, shape=LARGE, sum_in_redis=False)
+    for value in (1.0, 2.0):
+        acc.apply_grad(np.full(LARGE, value))
+    first = entry_key_names(r.lindex(acc._keys.grads, 0))[0]
+    r.delete(first)
+    r.hset(first, "f", "v")
+    np.testing.assert_array_equal(acc.take_grad(1, timeout=5), np.full(LARGE, 2.0))
+    (reason,) = r.lrange(acc._keys.quarantine, 0, -1)
+    assert reason.startswith(b"part 0 not a string ")
+    assert not r.exists(first)  # a key of ours: freed
+
+
+@pytest.mark.parametrize("left", [0, 1])
+def test_a_round_list_lost_or_cut_short_is_not_claimed_as_counted(target, left, caplog):
+    """The round's list evicted (an allkeys-* policy) while the state stayed: every take
+    advanced the step, then failed with Redis's "no such key"; cut short, a take returned the
+    mean over gradients that were not there (security review). Now what is there is what
+    is claimed, and the rest is recorded as lost."""
+    r = target.redis()
+    acc = make(target)
+    for value in (1.0, 2.0, 3.0):
+        acc.apply_grad(np.full(SMALL, value))
+    if left:
+        r.ltrim(acc._keys.grads, -left, -1)
+    else:
+        r.delete(acc._keys.grads)
+    with pytest.raises(accumulator.DeadlineExceededError):
+        acc.take_grad(3, timeout=0.2)
+    assert acc.global_step() == 0 and acc.num_accumulated() == left
+    assert f"quarantined {3 - left} corrupt" in caplog.text
+    acc.apply_grad(np.full(SMALL, 5.0))
+    np.testing.assert_array_equal(acc.take_grad(left + 1, timeout=5),
+                                  np.full(SMALL, 4.0 if left else 5.0))  # fmt: skip
+    assert acc.global_step() == 1
+    (record,) = r.lrange(acc._keys.quarantine, 0, -1)
+    assert record == b"lost %d counted gradient(s) not in the round" % (3 - left)
+    assert accumulator._admin.describe(r, "h").n_quarantined == 3 - left
+
+
+_CORRUPT_FIELDS = [("take", "n_taken"), ("take", "bytes"), ("take", "gen"),
+                   ("apply", "n_applied"), ("apply", "ttl"), ("apply", "maxbytes"),
+                   ("reset", "gen"), ("set_step", "ttl")]  # fmt: skip
+# (a step that is no number is set_step's to repair: test_admin)
+
+
+@pytest.mark.parametrize(("op", "field"), _CORRUPT_FIELDS)
+@pytest.mark.parametrize("value", [b"x", b"", b"1e400"])
+def test_a_state_field_that_is_no_number_is_refused_before_any_write(target, op, field, value):
+    """A counter of the state hash written by another program: the scripts wrote (the step
+    advanced, the round renamed to a claim, a gradient pushed but not counted), then failed
+    where arithmetic met it (security review). Refused first now, nothing changed."""
+    r = target.redis()
+    acc = make(target)
+    acc.apply_grad(np.ones(SMALL))
+    r.hset(acc._keys.state, field, value)
+    before = snapshot(r, f"{acc._keys.base}:*")
+    run = {"take": lambda: acc.take_grad(1, timeout=1),
+           "apply": lambda: acc.apply_grad(np.ones(SMALL)),
+           "reset": lambda: accumulator._admin.reset(r, "h"),
+           "set_step": lambda: acc.set_global_step(4)}[op]  # fmt: skip
+    with pytest.raises(accumulator.AccumulatorError, match=f"the state field {field} holds"):
+        run()
+    assert snapshot(r, f"{acc._keys.base}:*") == before
+
+
 def test_private_accumulators_cannot_be_opened_by_their_listed_name(target):
     private = accumulator.ConditionalAccumulator(np.float32, SMALL, client=target.client())
     (info,) = accumulator.list_accumulators(client=target.client())
