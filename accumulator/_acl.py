@@ -14,7 +14,7 @@ verbatim (a test checks that too).
 
 from __future__ import annotations
 
-from ._keys import DEFAULT_PREFIX, SYNC_PREFIX
+from ._keys import DEFAULT_PREFIX, SYNC_PREFIX, Keys
 
 _CONNECTION = "+ping +hello +select"  # redis-py tolerates a refused CLIENT SETINFO
 # What the scripts (lua/) call, and what the client sends around them.
@@ -60,13 +60,30 @@ MODULE_RULES = "+acc.add +acc.ping"
 CLUSTER_RULES = "+cluster|slots +cluster|shards +command +asking"
 
 
+def scoped_rules(role: str, container: str) -> str:
+    """A role's rules with its keys and channels narrowed to one container's: a team given
+    its own container (every accumulator, private ones and sync jobs included, opened with
+    ``container=``) cannot read or change another's. Raises ValueError for a container
+    holding whitespace (it would split the rule)."""
+    if any(ch.isspace() for ch in container):
+        raise ValueError(f"a container scoped by an ACL rule holds no whitespace: {container!r}")
+    rules = ROLES[role]
+    for prefix in (DEFAULT_PREFIX, SYNC_PREFIX):
+        # (the pattern of every key of the container's, spread parts included)
+        scope = Keys(container, "", prefix).family_pattern
+        for sigil in ("~", "%R~", "&"):
+            rules = rules.replace(f" {sigil}{prefix}:* ", f" {sigil}{scope} ")
+    return rules
+
+
 def setuser_command(
     role: str, user: str = "", password: str = "PASSWORD", *, module: bool = False,
-    cluster: bool = False,
+    cluster: bool = False, container: str | None = None,
 ) -> str:  # fmt: skip
     """The ``ACL SETUSER`` line for a role, as the README prints it; ``module`` adds what a
     server running the accsum module needs (worker and sync roles), ``cluster`` what a Redis
-    Cluster's clients need."""
-    rules = ROLES[role] + (f" {MODULE_RULES}" if module and role != "viewer" else "")
+    Cluster's clients need, ``container`` narrows it to one container (:func:`scoped_rules`)."""
+    rules = ROLES[role] if container is None else scoped_rules(role, container)
+    rules += f" {MODULE_RULES}" if module and role != "viewer" else ""
     rules += f" {CLUSTER_RULES}" if cluster else ""
     return f"ACL SETUSER {user or 'acc-' + role} on >{password} {rules}"

@@ -195,10 +195,11 @@ class AccumulatorModel:
         if max_pending_bytes is not None and (
             isinstance(max_pending_bytes, bool)
             or not isinstance(max_pending_bytes, (int, np.integer))
-            or max_pending_bytes < 1
+            or not 1 <= max_pending_bytes < 10**18  # (what the scripts' counts hold)
         ):
             raise InvalidArgumentError(
-                f"max_pending_bytes must be a positive integer or None, got {max_pending_bytes!r}"
+                "max_pending_bytes must be a positive integer below 10**18, or None, got "
+                f"{max_pending_bytes!r}"
             )
         self._max_pending = max_pending_bytes
         if not isinstance(reduction_type, str) or reduction_type not in _REDUCTIONS:
@@ -441,14 +442,17 @@ def _server_has_module() -> Ops[bool]:
 
 
 def _warn_if_evicting(where: tuple[Any, ...]) -> Ops[None]:
-    """Log a warning (once per server and process) when Redis may evict our keys."""
+    """Log a warning (once per server and process) when Redis may evict our keys. A client
+    that may not run INFO (the README's worker and sync roles) cannot tell: the server is
+    not marked as checked then, so that another client of the process that may does check
+    it (security review: the first one's refusal silenced every later one)."""
     if where in _policy_checked:
         return
-    _policy_checked.add(where)
     try:
         info = yield Command("open", ("INFO", "memory"))
     except Exception:  # noqa: BLE001 - no INFO (ACL, fakeredis, managed service): cannot tell
         return
+    _policy_checked.add(where)
     policy = str(info.get("maxmemory_policy", "")) if isinstance(info, dict) else ""
     if policy not in _SAFE_POLICIES:
         logger.warning(

@@ -80,6 +80,74 @@ def test_worker_role_runs_dense_sparse_and_private_accumulators(acl):
     private.close()  # deletes its keys (SCAN + UNLINK)
 
 
+def test_a_role_scoped_to_a_container_keeps_teams_apart(acl, real):
+    """One server, two teams: each role narrowed to its team's container (the README's
+    rule for it) runs there, and is refused on the other team's accumulators before any
+    write (security review: the README pointed at a key prefix no class takes)."""
+    url = acl("worker", _acl.scoped_rules("worker", "team:A"))
+    mine = {"client": url, "container": "team:A"}
+    acc = accumulator.ConditionalAccumulator(np.float32, SHAPE, shared_name="w", **mine)
+    big = accumulator.ConditionalAccumulator(np.float32, (64, 1024), shared_name="b", **mine)
+    sparse = accumulator.SparseConditionalAccumulator(np.float32, (10, 2), shared_name="s",
+                                                      **mine)  # fmt: skip
+    private = accumulator.ConditionalAccumulator(np.float32, SHAPE, **mine)
+    for one, grad in ((acc, np.ones(SHAPE)), (big, np.ones((64, 1024))),
+                      (private, np.ones(SHAPE))):  # fmt: skip
+        assert one.apply_grad(grad)
+        np.testing.assert_array_equal(one.take_grad(1, timeout=5), grad)
+    sparse.apply_grad([1, 2], np.ones((2, 2)))
+    assert sparse.take_grad(1, timeout=5).indices.tolist() == [1, 2]
+    private.close()
+    admin = real.redis()
+    theirs = accumulator.ConditionalAccumulator(np.float32, SHAPE, shared_name="w",
+                                                client=real.url, container="team:B")  # fmt: skip
+    theirs.apply_grad(np.ones(SHAPE))
+    before = sorted(admin.scan_iter(match="acc:{team%3AB:*"))
+    with pytest.raises(accumulator.PermissionDeniedError):
+        accumulator.ConditionalAccumulator(np.float32, SHAPE, shared_name="w", client=url,
+                                           container="team:B")  # fmt: skip
+    with pytest.raises(accumulator.PermissionDeniedError):
+        accumulator.ConditionalAccumulator(np.float32, SHAPE, shared_name="new", client=url,
+                                           container="team:B")  # fmt: skip
+    with pytest.raises(accumulator.PermissionDeniedError):  # (a container that begins alike)
+        accumulator.ConditionalAccumulator(np.float32, SHAPE, shared_name="w", client=url,
+                                           container="team:AB")  # fmt: skip
+    assert sorted(admin.scan_iter(match="acc:{team%3AB:*")) == before
+    assert theirs.num_accumulated() == 1
+    # the viewer, scoped, lists its own container
+    viewer = acl("viewer", _acl.scoped_rules("viewer", "team:A"))
+    out = io.StringIO()
+    assert _cli.main(["ls", "--container", "team:A", "--url", viewer], stdout=out) == 0
+    assert sorted(line.split()[0] for line in out.getvalue().splitlines()[1:4]) == ["b", "s", "w"]
+    for one in (acc, big, sparse, theirs):
+        one.close()
+
+
+def test_a_client_without_info_does_not_silence_the_eviction_warning(acl, real, caplog):
+    """The worker role may not run INFO, so it cannot tell the server's eviction policy;
+    it marked the server checked all the same, and no later client of the process was
+    warned (security review)."""
+    admin = real.redis()
+    admin.config_set("maxmemory-policy", "allkeys-lru", **({"target_nodes": "all"}
+                     if real.kind == "cluster" else {}))  # fmt: skip
+    accumulator._model._policy_checked.clear()
+    try:
+        accumulator.ConditionalAccumulator(np.float32, SHAPE, shared_name="e",
+                                           client=acl("worker")).close()  # fmt: skip
+        assert "maxmemory-policy" not in caplog.text  # (it cannot tell)
+        accumulator.ConditionalAccumulator(np.float32, SHAPE, shared_name="e",
+                                           client=real.url).close()  # fmt: skip
+        assert "maxmemory-policy is 'allkeys-lru'" in caplog.text
+    finally:
+        admin.config_set("maxmemory-policy", "noeviction", **({"target_nodes": "all"}
+                         if real.kind == "cluster" else {}))  # fmt: skip
+        accumulator._model._policy_checked.clear()
+
+
+def test_readme_shows_a_container_scoped_role():
+    assert _acl.setuser_command("worker", container="teamA") in README.read_text()
+
+
 def test_viewer_role_runs_the_read_only_cli(acl, real):
     acc = accumulator.ConditionalAccumulator(np.float32, SHAPE, shared_name="v", client=real.url)
     acc.apply_grad(np.ones(SHAPE))

@@ -592,8 +592,9 @@ def test_pending_bytes_are_bounded(target):
         accumulator._model.DEFAULT_MAX_PENDING_BYTES
     )
     default.close()
-    with pytest.raises(accumulator.InvalidArgumentError, match="max_pending_bytes"):
-        make(target, max_pending_bytes=0)
+    for bad in (0, 10**18, 10**19):  # (10**19 was the script's "refused its input")
+        with pytest.raises(accumulator.InvalidArgumentError, match="max_pending_bytes must"):
+            make(target, max_pending_bytes=bad)
 
 
 # -- 11. transient faults -----------------------------------------------------------------------
