@@ -353,6 +353,10 @@ def test_replicas_and_the_aof_need_no_module(tmp_path):
     with RedisServer(module=True, persistent=True) as primary, \
             RedisServer(module=False) as replica:  # fmt: skip
         replica.client().replicaof("127.0.0.1", primary.port)
+        deadline = time.monotonic() + 30  # in sync first: a loaded machine took over 5 s
+        while replica.client().info("replication").get("master_link_status") != "up":
+            assert time.monotonic() < deadline, "the replica never synced"
+            time.sleep(0.05)
         acc = make(primary.url, shape=(n,), reduction_type="SUM", min_replicas=1)
         assert acc.sums_in_redis
         for value in (1.0, 2.0, 4.0):
