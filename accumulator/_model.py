@@ -61,6 +61,9 @@ DEDUP_TTL_MS = 600 * 1000
 #: gone and the next take hands its round over (nothing is lost with a crashed chief).
 CLAIM_LEASE_MS = 5 * 1000
 CLAIM_LEASE_MS_PER_MIB = 50  # 20 MiB/s: far below loopback or LAN speed
+#: How long a take whose finish may have run (sent, its reply lost) keeps asking Redis, before
+#: it gives up not knowing: a retried finish is answered for two minutes (lua/finish.lua).
+FINISH_SETTLE_SECONDS = 90.0
 #: The largest gradient payload: 16 GiB (stored in parts of one chunk each, so Redis itself
 #: sets no limit). A guard against a mistaken broadcast view: the taker holds one result.
 MAX_PAYLOAD_BYTES = 16 * 1024**3
@@ -219,6 +222,9 @@ class AccumulatorModel:
         #: the accsum module's dtype when this accumulator keeps its sums in Redis (set by open)
         self._sum_dtype = ""
         self._closed = False
+        #: an interrupt (Ctrl-C) that came while a take's finish was in flight: the take
+        #: returned its round, and the next call on this object raises it (_check_open)
+        self._held_interrupt: BaseException | None = None
 
     # -- properties ---------------------------------------------------------------------------
 
@@ -282,6 +288,9 @@ class AccumulatorModel:
         return durability_of(self._min_replicas, self._wait_aof, self.durability_timeout)
 
     def _check_open(self) -> None:
+        if self._held_interrupt is not None:
+            held, self._held_interrupt = self._held_interrupt, None
+            raise held
         if self._closed:
             raise CancelledError("the accumulator was closed")
 

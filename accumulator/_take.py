@@ -30,6 +30,7 @@ from ._errors import (
     DeadlineExceededError,
     InvalidArgumentError,
     NotFoundError,
+    UnavailableError,
 )
 from ._keys import SCHEMA_VERSION, Keys
 from ._model import AccumulatorModel
@@ -200,7 +201,7 @@ def take(
             raise (yield from _claim_lost(acc)) from exc
         if cancel is not None and cancel.is_set():  # the last moment to give it back
             raise CancelledError("take_grad was cancelled (its cancel event is set)")
-        yield from _finish(acc, taker, claim_key, claim.reader.keys)
+        yield from _settled_finish(acc, taker, claim_key, claim.reader.keys)
     except BaseException:
         # Not claimed: withdraw from the FIFO. Claimed (or unsure: a lost reply), the
         # script gives the round back as it was.
@@ -243,6 +244,40 @@ def _check_spread(acc: AccumulatorModel, entries: list[bytes]) -> Ops[dict[bytes
             total += n
         found[entry] = why or b"%d" % total
     return found
+
+
+def _settled_finish(
+    acc: AccumulatorModel, taker: str, claim_key: str, blob_keys: list[bytes]
+) -> Ops[None]:
+    """:func:`_finish`, until its outcome is known. A finish sent whose reply is lost (Redis
+    unreachable past the retry window, or Ctrl-C while it was in flight) may have run: the
+    round is then this take's and nobody else's, and giving up (the cleanup finds no claim to
+    give back) lost every gradient of it (sparse review). It is asked again (a retried finish
+    is answered for two minutes) for :data:`FINISH_SETTLE_SECONDS`; an interrupt that came
+    meanwhile is held: the take returns its round, and the object's next call raises it."""
+    started = time.monotonic()
+    held: BaseException | None = None
+    while True:
+        try:
+            yield from _finish(acc, taker, claim_key, blob_keys)
+            break
+        except UnavailableError as exc:
+            if time.monotonic() - started >= _model.FINISH_SETTLE_SECONDS:
+                raise UnavailableError(
+                    f"take_grad on {acc._shared_name!r} could not learn, for "
+                    f"{_model.FINISH_SETTLE_SECONDS:g}s, whether its finish ran: if it did, "
+                    "the round is taken and lost with this error; if not, the next take "
+                    f"takes it over ({exc})"
+                ) from exc
+            logger.warning("take_grad on %r: its finish may have run, Redis does not answer; "
+                           "asking again", acc._shared_name)  # fmt: skip
+        except KeyboardInterrupt as exc:
+            held = held or exc
+            logger.warning("take_grad on %r: interrupted while its finish was in flight: it "
+                           "completes first (the round is returned; the accumulator's next "
+                           "call raises the interrupt)", acc._shared_name)  # fmt: skip
+    if held is not None:
+        acc._held_interrupt = held
 
 
 def _finish(acc: AccumulatorModel, taker: str, claim_key: str, blob_keys: list[bytes]) -> Ops[None]:

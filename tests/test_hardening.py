@@ -369,6 +369,82 @@ def test_open_warns_when_redis_may_evict_our_keys(real, caplog):
         accumulator._model._policy_checked.clear()
 
 
+# -- 6b. a finish whose reply is lost ------------------------------------------------------------
+
+
+def _finishes(acc, outcome):
+    """Make the take's finish calls go through ``outcome(request, run)`` (``run()`` sends it)."""
+    do = acc._do
+    calls = []
+
+    def patched(request):
+        if getattr(request, "name", None) != "finish":
+            return do(request)
+        calls.append(request)
+        return outcome(len(calls), lambda: do(request))
+
+    acc._do = patched
+    return calls
+
+
+@pytest.mark.parametrize("ran", [True, False], ids=["finish-ran", "finish-not-sent"])
+def test_a_take_whose_finish_reply_is_lost_asks_again_and_returns_its_round(target, ran):
+    """The finish ran in Redis but its reply was lost past the retry window: the take raised
+    UnavailableError and its cleanup found no claim to give back: every gradient of the round
+    was lost (sparse review). It asks again now (a retried finish is answered)."""
+    acc = make(target)
+    for value in (1.0, 3.0):
+        acc.apply_grad(np.full(SMALL, value))
+
+    def lost_once(n, run):
+        if n == 1:
+            if ran:
+                run()
+            raise accumulator.UnavailableError("Redis unreachable (simulated)")
+        return run()
+
+    calls = _finishes(acc, lost_once)
+    np.testing.assert_array_equal(acc.take_grad(2, timeout=5), np.full(SMALL, 2.0))
+    assert len(calls) == 2 and acc.global_step() == 1 and acc.num_accumulated() == 0
+
+
+def test_a_take_that_cannot_learn_its_finish_says_so_and_gives_the_round_back(target, monkeypatch):
+    monkeypatch.setattr(accumulator._model, "FINISH_SETTLE_SECONDS", 0.0)
+    acc = make(target)
+    acc.apply_grad(np.ones(SMALL))
+
+    def never(n, run):
+        raise accumulator.UnavailableError("Redis unreachable (simulated)")
+
+    _finishes(acc, never)
+    with pytest.raises(accumulator.UnavailableError, match="could not learn"):
+        acc.take_grad(1, timeout=5)
+    del acc._do
+    assert acc.global_step() == 0 and acc.num_accumulated() == 1  # it had not run: given back
+
+
+def test_ctrl_c_while_a_finish_is_in_flight_returns_the_round_and_raises_next(target):
+    """Ctrl-C landed while the finish's reply was awaited: the finish had run, the cleanup
+    found no claim, the round was lost (sparse review). The finish completes, the take returns
+    its round, and the object's next call raises the interrupt."""
+    acc = make(target)
+    acc.apply_grad(np.full(SMALL, 4.0))
+
+    def interrupted_once(n, run):
+        if n == 1:
+            run()
+            raise KeyboardInterrupt
+        return run()
+
+    _finishes(acc, interrupted_once)
+    np.testing.assert_array_equal(acc.take_grad(1, timeout=5), np.full(SMALL, 4.0))
+    with pytest.raises(KeyboardInterrupt):
+        acc.apply_grad(np.ones(SMALL), local_step=1)
+    assert acc.num_accumulated() == 0  # (raised before anything was sent)
+    assert acc.global_step() == 1
+    assert acc.apply_grad(np.ones(SMALL), local_step=1)
+
+
 # -- 7. no claim-then-fail ----------------------------------------------------------------------
 
 
