@@ -135,8 +135,13 @@ if queued then
   queued = head ~= nil and head ~= me
 end
 
-local function claim_lease(nbytes)
-  return int_str(now + tonumber(ARGV[7]) + math.floor(tonumber(nbytes) / 1048576 * tonumber(ARGV[8])))
+-- The claim's lease: the base, plus time per MiB (reading) and per entry (merging: a sparse
+-- round of 300,000 one-row gradients is 7 MB but took 7-8 s to merge, past a lease sized by
+-- bytes alone, and two takers took it from each other forever: sparse review).
+local LEASE_MS_PER_ENTRY = 0.2
+local function claim_lease(nbytes, entries)
+  return int_str(now + tonumber(ARGV[7]) + math.floor(tonumber(nbytes) / 1048576 * tonumber(ARGV[8])
+    + entries * LEASE_MS_PER_ENTRY))
 end
 
 local function leave_fifo()
@@ -163,7 +168,7 @@ if not queued and redis.call('EXISTS', KEYS[9]) == 1 then
       redis.call('RENAME', dead, claim)
       local entries = redis.call('LRANGE', claim, '0', '-1')
       local _, _, held = string.match(entries[1], '^(%-?%d+) (%d+) (%d+) ')
-      redis.call('HSET', KEYS[9], me, claim_lease(held or '0'))
+      redis.call('HSET', KEYS[9], me, claim_lease(held or '0', #entries - 1))
       redis.call('HINCRBY', state, 'n_adopted', '1')
       leave_fifo()
       touch(state, {state, takers, info_key, KEYS[9]}, st.ttl)
@@ -286,7 +291,7 @@ else
 end
 -- Kept, under a lease, until the taker has read and reduced it (finish.lua) or gives it back.
 redis.call('PERSIST', claim)
-redis.call('HSET', KEYS[9], me, claim_lease(nbytes))
+redis.call('HSET', KEYS[9], me, claim_lease(nbytes, #entries - 1))
 
 redis.call('HSET', state, 'count', '0', 'bytes', '0', 'last_take_ms', int_str(now),
   'last_take_wait_ms', int_str(now - joined), 'gen', gen,
