@@ -34,7 +34,9 @@ import logging
 import multiprocessing as mp
 import os
 import shlex
+import signal
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -504,6 +506,35 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         parser.error("--slow-worker-delay must be >= 0")
     if not 0 <= args.worker_index < args.workers:
         parser.error("--worker-index must be in 0..workers-1")
+    if not args.timeout > 0:
+        parser.error("--timeout must be > 0")
+    if args.json_summary not in (None, "-"):
+        folder = os.path.dirname(os.path.abspath(args.json_summary))
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            parser.error(f"--json-summary: cannot write into {folder!r}")
+    url = args.url
+    if url is not None:
+        from urllib.parse import urlsplit
+
+        from ._urls import scheme_problem
+
+        problem = scheme_problem(url)
+        if problem is None:
+            try:
+                urlsplit(url).port  # noqa: B018 - a port that is no number raises here
+            except ValueError as exc:
+                problem = str(exc)
+        if problem:
+            parser.error(f"--url {redact_url(url)}: {problem}")
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (``timeout``, a CI runner, ``docker stop``): handled as Ctrl-C is, the workers
+    and the server stopped, exit 143."""
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    raise Terminated
 
 
 def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
@@ -516,6 +547,9 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     url = args.url or os.environ.get("ACCUMULATOR_REDIS_URL") or os.environ.get("REDIS_URL")
     try:
         with contextlib.ExitStack() as stack:
+            if threading.current_thread() is threading.main_thread():
+                previous = signal.signal(signal.SIGTERM, _on_sigterm)
+                stack.callback(signal.signal, signal.SIGTERM, previous)
             if args.role == "worker":
                 from ._urls import default_url
 
@@ -532,14 +566,24 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
         _say(out, "")
         logger.error("%s", exc)
         return 2
+    except Terminated:
+        _say(out, "\nterminated")
+        return 143
     except KeyboardInterrupt:
         _say(out, "\ninterrupted")
         return 130
     except Exception as exc:
         import redis
 
-        if isinstance(exc, redis.ConnectionError):
-            logger.error("cannot reach Redis at %s: %s", redact_url(url or "?"),
+        from ._errors import AccumulatorError
+
+        # (UnavailableError, Redis unreachable past the retry window, is a ConnectionError
+        # of Python's, not redis-py's: it ended in tracebacks and the exit code of a low
+        # accuracy; new-user review)
+        reach = isinstance(exc, (redis.ConnectionError, ConnectionError))
+        if reach or isinstance(exc, AccumulatorError):
+            what = "cannot reach Redis at" if reach else "Redis at"
+            logger.error("%s %s: %s", what, redact_url(url or "?"),
                          scrub(str(exc), url_secrets(url)))  # fmt: skip
             return 2
         raise

@@ -17,6 +17,7 @@ import pytest
 
 pytest.importorskip("sklearn", reason="the demo needs scikit-learn: pip install '.[demo]'")
 
+import accumulator  # noqa: E402
 from accumulator import _demo  # noqa: E402 - after the skip: it loads sklearn lazily anyway
 
 
@@ -62,6 +63,59 @@ def test_help_and_bad_arguments(capsys):
     with pytest.raises(SystemExit) as info:
         _demo.main(["--workers", "2", "--replicas-to-aggregate", "3"])
     assert info.value.code == 2
+    # refused before anything starts (they ended in tracebacks, or after the training, or
+    # with a misleading message: new-user review)
+    for args, said in ((["--url", "foo"], "--url foo: it must start with"),
+                       (["--url", "redis://h:notaport/0"], "--url redis://h:notaport/0: Port"),
+                       (["--timeout", "0"], "--timeout must be > 0"),
+                       (["--json-summary", "/nonexistent/x.json"], "cannot write into")):
+        with pytest.raises(SystemExit) as info:
+            _demo.main(args)
+        assert info.value.code == 2 and said in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("error", [accumulator.UnavailableError("Redis unreachable for 30.5s"),
+                                   accumulator.PermissionDeniedError("no EVALSHA")])
+def test_redis_errors_are_one_line_and_exit_2(monkeypatch, caplog, capsys, error):
+    """UnavailableError (Python's ConnectionError, not redis-py's) gave three chained
+    tracebacks and exit 1, the code of a low accuracy (new-user review)."""
+    def fails(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(_demo, "run_chief", fails)
+    assert _demo.main(["--url", "redis://127.0.0.1:1/0", "--quiet"]) == 2
+    assert "Traceback" not in capsys.readouterr().err
+    assert f"Redis at redis://127.0.0.1:1/0: {error}" in caplog.text
+
+
+@pytest.mark.slow
+def test_sigterm_stops_the_demo_and_its_workers(real):
+    """SIGTERM (timeout, a CI runner, docker stop) left the worker processes running; they
+    printed tracebacks half a minute later (new-user review). Handled as Ctrl-C is."""
+    import signal
+    import time
+
+    cmd = [sys.executable, "-m", "accumulator._demo", "--url", real.url, "--steps", "100000",
+           "--workers", "2"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        while "worker processes" not in proc.stdout.readline():  # they have started
+            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+        time.sleep(2)  # (and are pushing)
+        children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
+                                  text=True).stdout.split()  # fmt: skip
+        assert len(children) >= 2
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=30)
+        assert proc.returncode == 143 and "terminated" in out, err
+        deadline = time.monotonic() + 10
+        while any(os.path.exists(f"/proc/{pid}") for pid in children):
+            assert time.monotonic() < deadline, "a worker outlived the demo"
+            time.sleep(0.1)
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def test_progress_lines_without_a_terminal():
