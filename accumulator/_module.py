@@ -85,10 +85,27 @@ def _compiler_identity(command: tuple[str, ...]) -> str:
     return " ".join([path, *command[1:], version])
 
 
+#: Builds that failed in this process (no compiler, or the compiler refused): not tried, nor
+#: logged, again (each server start of a test session logged the same line: new-user review).
+_failed: set[tuple[str, ...]] = set()
+
+
 def build(*, sanitize: bool = False, out_dir: Path | None = None) -> Path | None:
     """Build the module (once per source, compiler flags and ``sanitize``) and return the
-    path of the shared object; None, with one log line, when no C compiler is present.
-    ``sanitize`` adds ``-fsanitize=address,undefined`` (for the tests)."""
+    path of the shared object; None, with one log line per process, when no C compiler is
+    present or it fails. ``sanitize`` adds ``-fsanitize=address,undefined`` (for the
+    tests)."""
+    key = (str(out_dir or cache_dir()), str(sanitize), os.environ.get("CC", ""),
+           os.environ.get("PATH", ""))  # fmt: skip
+    if key in _failed:
+        return None
+    built = _build(sanitize=sanitize, out_dir=out_dir)
+    if built is None:
+        _failed.add(key)
+    return built
+
+
+def _build(*, sanitize: bool, out_dir: Path | None) -> Path | None:
     src = source()
     where = out_dir or cache_dir()
     suffix = "-asan" if sanitize else ""

@@ -33,7 +33,10 @@ def redis_server() -> Iterator[RedisServer]:
 
 @pytest.fixture
 def redis_url(redis_server: RedisServer) -> str:
-    """The session server's URL, emptied before the test."""
+    """The session server's URL, emptied before the test (started again first if a test
+    killed it: one crash test that failed before its restart broke every later one)."""
+    if not redis_server.running:
+        redis_server.start()
     client = redis.Redis.from_url(redis_server.url)
     try:
         client.flushall()

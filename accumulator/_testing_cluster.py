@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import time
@@ -60,14 +61,22 @@ class LocalCluster:
         the cluster (for the cluster: :attr:`cluster_url`)."""
         return self.servers[0].url
 
+    def _start_node(self) -> RedisServer:
+        """One node on a free port pair; another pair if that one was taken meanwhile (by
+        another process between the check and the bind): three tries."""
+        for _ in range(2):
+            with contextlib.suppress(RuntimeError):
+                return RedisServer(port=_cluster_port(), args=self._args,
+                                   module=self._module).start()  # fmt: skip
+        return RedisServer(port=_cluster_port(), args=self._args, module=self._module).start()
+
     def start(self) -> LocalCluster:
         """Start the nodes, join them, split the slots, attach the replicas; wait until every
         node says the cluster is ``ok``."""
         total = self._n_primaries * (1 + self._replicas_each)
         try:
             for _ in range(total):
-                server = RedisServer(port=_cluster_port(), args=self._args, module=self._module)
-                self.servers.append(server.start())
+                self.servers.append(self._start_node())
             clients = [s.client(socket_timeout=5) for s in self.servers]
             first = self.servers[0]
             for client in clients[1:]:
@@ -246,12 +255,15 @@ def _port_free(port: int) -> bool:
     return True
 
 
+#: Its own source of ports: the caller's seeded ``random`` is left alone, and two processes
+#: seeded alike (pytest-xdist with pytest-randomly) do not pick the same ports (new-user review).
+_PORTS = random.SystemRandom()
+
+
 def _cluster_port() -> int:
     """A free port whose cluster bus port (+10000) is free too: at most 55535."""
-    import random
-
     for _ in range(1000):
-        port = random.randint(20000, 55535)
+        port = _PORTS.randint(20000, 55535)
         if _port_free(port) and _port_free(port + 10000):
             return port
     raise RuntimeError("no free port pair for a cluster node")

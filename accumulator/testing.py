@@ -168,7 +168,7 @@ def fake_client(**kwargs: Any) -> redis.Redis:
         import fakeredis
     except ImportError as exc:
         raise ImportError(
-            "fake_client() needs fakeredis: pip install 'redis-accumulator[test]' "
+            "fake_client() needs fakeredis: pip install 'redis-accumulator[testing]' "
             "(or pip install 'fakeredis[lua]')"
         ) from exc
     return fakeredis.FakeRedis(server=fakeredis.FakeServer(), **kwargs)

@@ -480,6 +480,16 @@ def test_the_build_is_cached_and_needs_only_a_compiler(tmp_path, monkeypatch):
     assert _module.build(out_dir=stale) is None
 
 
+def test_no_compiler_is_said_once_per_process(tmp_path, monkeypatch, caplog):
+    """Every server start of a session (restarts, replica sets) logged the same warning
+    (new-user review)."""
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    monkeypatch.delenv("CC", raising=False)
+    with caplog.at_level(logging.WARNING, logger="accumulator"):
+        assert [_module.build(out_dir=tmp_path) for _ in range(3)] == [None] * 3
+    assert caplog.text.count("no C compiler found") == 1
+
+
 def test_a_cache_that_cannot_be_written_means_no_module_not_an_error(tmp_path, caplog):
     """(A read-only or misconfigured cache made ``RedisServer(module=None)`` fail to start.)"""
     if _module.find_compiler() is None:
