@@ -474,5 +474,5 @@ def test_fake_client_kwargs() -> None:
 
 def test_fake_client_missing_fakeredis(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "fakeredis", None)  # makes `import fakeredis` fail
-    with pytest.raises(ImportError, match=r"redis-accumulator\[test\]"):
+    with pytest.raises(ImportError, match=r"redis-accumulator\[testing\]"):
         fake_client()
