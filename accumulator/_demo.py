@@ -519,7 +519,8 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         from ._urls import scheme_problem
 
         problem = scheme_problem(url)
-        if problem is None:
+        # (one host: sentinel and cluster URLs may list several, "h1:p1,h2:p2")
+        if problem is None and url.startswith(("redis://", "rediss://")):
             try:
                 urlsplit(url).port  # noqa: B018 - a port that is no number raises here
             except ValueError as exc:
