@@ -26,6 +26,7 @@ from ._errors import (
     PermissionDeniedError,
     ResourceExhaustedError,
     SchemaVersionError,
+    UnavailableError,
 )
 from ._model import AccumulatorModel
 from ._requests import Batch, Call, Command, Ops
@@ -48,7 +49,18 @@ def apply(
             f"gradient of {nbytes} bytes exceeds the {_model.MAX_PAYLOAD_BYTES} byte limit of "
             "one payload; split the parameter into several accumulators"
         )
-    ident = acc._identities.acquire()
+    fingerprint = None
+    if acc._identities.holding:  # an earlier apply of unknown outcome: the same again?
+        fingerprint = _model.apply_fingerprint(payload, shape_token, local_step, first_error)
+    ident = acc._identities.acquire(fingerprint)
+    again = ident.unsettled is not None  # the apply that raised UnavailableError, made again
+    held = False
+    if acc._identities.holding:
+        try:
+            yield from _settle_held(acc)
+        except BaseException:
+            acc._identities.release(ident)  # (nothing sent under it)
+            raise
     spread = nbytes > _model.INLINE_MAX_BYTES and acc.spreads_parts
     try:
         try:
@@ -66,7 +78,16 @@ def apply(
                                     ident.client_id, ident.seq)  # fmt: skip
         reply, blob, inline, acked, garbage, rewritten = sent
     except BaseException as exc:
-        if nbytes > _model.INLINE_MAX_BYTES and not acc.spreads_parts:
+        if isinstance(exc, UnavailableError) and not isinstance(exc, NotDurableError):
+            # Redis may still run the copy it received: the outcome is unknown. The identity
+            # is held (see _model.Identities): the same apply again counts once, another one
+            # settles this one first.
+            held = True
+            if fingerprint is None:
+                fingerprint = _model.apply_fingerprint(payload, shape_token, local_step,
+                                                       first_error)  # fmt: skip
+            acc._identities.hold(ident, fingerprint, nbytes)
+        elif nbytes > _model.INLINE_MAX_BYTES and not acc.spreads_parts:
             yield from _withdraw(acc, ident.client_id, ident.seq, nbytes)
         elif spread and isinstance(exc, _REFUSED):
             # refused by the apply script (or before it): nothing holds its parts, and
@@ -74,7 +95,12 @@ def apply(
             yield from _drop_spread(acc, ident.client_id, ident.seq, nbytes)
         raise
     finally:
-        acc._identities.release(ident)
+        if not held:
+            acc._identities.release(ident)
+    if again:
+        logger.info("apply_grad on %r: the apply that raised UnavailableError was made again "
+                    "under its apply id: %s", acc._shared_name,
+                    "counted once" if int(reply[0]) == 1 else "dropped")  # fmt: skip
     code = int(reply[0])
     if garbage or (acc.spreads_parts and not inline and code != 1):
         # dropped (stale, refused: the script leased its parts to us) and what was swept
@@ -201,6 +227,38 @@ def _unlink_rewritten(acc: AccumulatorModel, parts: list[bytes]) -> Ops[None]:
                      acc._shared_name, exc_info=True)  # fmt: skip
 
 
+def _settle_held(acc: AccumulatorModel) -> Ops[None]:
+    """Settle the applies of unknown outcome this object holds (another apply is being made):
+    ``lua/withdraw.lua`` with a fence: counted, they stay counted; not, they never will be (a
+    copy Redis has yet to run is answered as a retry). Raises when Redis cannot be reached
+    (nothing sent then; they stay held); any other failure gives one up (logged: its outcome
+    stays unknown)."""
+    k = acc._keys
+    held = acc._identities.take_held()
+    try:
+        while held:
+            cid, seq, nbytes = held[0].client_id, held[0].seq, held[0].nbytes
+            try:
+                judged = yield Call("apply_grad (settling an earlier apply)", "withdraw",
+                                    [k.state, k.dedup(cid), k.blob(cid, seq)],
+                                    [seq, nbytes, _model.DEDUP_TTL_MS])  # fmt: skip
+            except ConnectionError:  # (UnavailableError too: Redis unreachable) still held
+                raise
+            except Exception:  # noqa: BLE001 - the new apply is what the caller asked for
+                logger.warning("apply_grad on %r: could not settle the earlier apply that "
+                               "raised UnavailableError; it may still be counted",
+                               acc._shared_name, exc_info=True)  # fmt: skip
+            else:
+                outcome = ("was counted (or dropped as stale)" if int(judged) < 0
+                           else "was not counted, and now never will be")  # fmt: skip
+                logger.info("apply_grad on %r: the earlier apply that raised UnavailableError "
+                            "%s", acc._shared_name, outcome)  # fmt: skip
+            acc._identities.release(held.pop(0))
+    finally:
+        for ident in held:  # (interrupted, or Redis unreachable)
+            acc._identities.put_back(ident)
+
+
 def _withdraw(acc: AccumulatorModel, cid: str, seq: int, nbytes: int) -> Ops[None]:
     """After an apply of parts failed or was interrupted: delete the parts it may have left
     (``lua/withdraw.lua``: not if it was counted). Best effort: they expire on their own."""
@@ -212,7 +270,7 @@ def _withdraw(acc: AccumulatorModel, cid: str, seq: int, nbytes: int) -> Ops[Non
         logger.debug("withdrawing the parts of a failed apply of %r failed",
                      acc._shared_name, exc_info=True)  # fmt: skip
         return
-    if int(deleted):
+    if int(deleted) > 0:
         logger.debug("apply_grad on %r: deleted %d parts of the abandoned apply",
                      acc._shared_name, int(deleted))  # fmt: skip
 

@@ -16,9 +16,7 @@ import redis
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.cluster import RedisCluster
 from redis.connection import AbstractConnection, PythonRespSerializer
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoPermissionError, OutOfMemoryError, RedisClusterException
-from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 from redis.sentinel import SentinelConnectionPool
 
@@ -27,6 +25,7 @@ from ._errors import PermissionDeniedError
 from ._retry import RETRY_WINDOW
 from ._urls import (
     CONNECT_TIMEOUT,
+    RETRIED_BY_REDIS_PY,
     SOCKET_TIMEOUT,
     check_url,
     cluster_url,
@@ -50,8 +49,12 @@ _BIG_ARG = 64 * 1024
 
 def _retry() -> Retry:
     # A few quick retries ride out a reconnect; applies and takes are made idempotent by the
-    # scripts, so a re-sent command is counted once.
-    return Retry(ExponentialWithJitterBackoff(base=0.05, cap=1.0), retries=3)
+    # scripts, so a re-sent command is counted once. Not timeouts: an attempt that waited a
+    # whole socket timeout goes back to the retry window (_retry.py), which decides; redis-py
+    # retrying them too made a frozen server (SIGSTOP, a partition dropping packets) hold an
+    # apply for 16 socket timeouts (8 minutes) whatever the window.
+    return Retry(ExponentialWithJitterBackoff(base=0.05, cap=1.0), retries=3,
+                 supported_errors=RETRIED_BY_REDIS_PY)  # fmt: skip
 
 
 def _encode(value: Any) -> bytes | memoryview:
@@ -250,7 +253,7 @@ def twin_client(client: Any) -> redis.Redis:
     kwargs = {k: v for k, v in pool.connection_kwargs.items()
               if k in accepted and k not in ("retry", "connection_pool", "credential_provider",
                                              "redis_connect_func", "self", "kwargs")}  # fmt: skip
-    kwargs.update(retry=_retry(), retry_on_error=[RedisConnectionError, RedisTimeoutError])
+    kwargs.update(retry=_retry(), retry_on_error=list(RETRIED_BY_REDIS_PY))
     pool_class = redis.BlockingConnectionPool if _is_blocking(pool) else redis.ConnectionPool
     new_pool = pool_class(connection_class=cls, **_pool_kwargs(pool), **kwargs)
     return redis.Redis(connection_pool=new_pool)

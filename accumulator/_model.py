@@ -9,6 +9,7 @@ protocols are in ``_apply`` and ``_take``; kind-specific checks and reductions i
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import uuid
@@ -113,27 +114,76 @@ class Identity:
 
     client_id: str
     seq: int = 0
+    #: The fingerprint (:func:`apply_fingerprint`) of the apply this identity last sent when
+    #: its outcome is unknown (it raised :class:`UnavailableError`); None otherwise.
+    unsettled: bytes | None = None
+    #: That apply's payload bytes (what its withdraw names).
+    nbytes: int = 0
+
+
+def apply_fingerprint(payload: memoryview, shape_token: str, local_step: int,
+                      first_error: str) -> bytes:  # fmt: skip
+    """What tells an apply from another: its step, shapes and payload bytes (a digest)."""
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(f"{local_step}|{shape_token}|{first_error}|{payload.nbytes}|".encode())
+    digest.update(payload)
+    return digest.digest()
 
 
 class Identities:
     """Apply identities of one accumulator object, lent to one apply each: concurrent applies
-    (threads, asyncio tasks) never share one, and a sequential caller reuses the same."""
+    (threads, asyncio tasks) never share one, and a sequential caller reuses the same.
+
+    An apply that raised :class:`UnavailableError` may still be counted (Redis may run the copy
+    it received when it comes back): its identity is held, not lent again, until the outcome
+    is settled. The same apply made again (same step, shapes and bytes) gets that identity
+    back, sequence number unchanged, so Redis counts it once; any other apply first settles
+    the held ones (:func:`._apply.settle`)."""
 
     def __init__(self) -> None:
         self._free: list[Identity] = []
+        self._held: list[Identity] = []
         self._lock = threading.Lock()
 
-    def acquire(self) -> Identity:
-        """An identity no apply in flight uses, its sequence number advanced."""
+    @property
+    def holding(self) -> bool:
+        """Whether an apply of unknown outcome is held (cheap: the common path asks)."""
+        return bool(self._held)
+
+    def acquire(self, fingerprint: bytes | None = None) -> Identity:
+        """An identity no apply in flight uses, its sequence number advanced; or, when
+        ``fingerprint`` is that of a held apply, that apply's identity as it was (a retry)."""
         with self._lock:
+            if fingerprint is not None:
+                for i, held in enumerate(self._held):
+                    if held.unsettled == fingerprint:
+                        return self._held.pop(i)
             ident = self._free.pop() if self._free else Identity(uuid.uuid4().hex[:16])
         ident.seq += 1
         return ident
 
     def release(self, ident: Identity) -> None:
         """Give an identity back once its apply returned (or failed for good)."""
+        ident.unsettled = None
         with self._lock:
             self._free.append(ident)
+
+    def hold(self, ident: Identity, fingerprint: bytes, nbytes: int) -> None:
+        """Keep aside the identity of an apply whose outcome is unknown."""
+        ident.unsettled, ident.nbytes = fingerprint, nbytes
+        with self._lock:
+            self._held.append(ident)
+
+    def put_back(self, ident: Identity) -> None:
+        """Hold again an identity :meth:`take_held` gave out that was not settled."""
+        with self._lock:
+            self._held.append(ident)
+
+    def take_held(self) -> list[Identity]:
+        """The held identities, each for one caller to settle (then release or hold again)."""
+        with self._lock:
+            held, self._held = self._held, []
+        return held
 
 
 class AccumulatorModel:

@@ -9,7 +9,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.exceptions import RedisError
 
 from ._errors import InvalidArgumentError
 from ._redact import redact_url
@@ -21,6 +21,10 @@ DEFAULT_URL = "redis://localhost:6379/0"
 SOCKET_TIMEOUT = 30.0
 #: Seconds to connect (TCP and, on rediss://, the TLS handshake).
 CONNECT_TIMEOUT = 5.0
+#: The faults redis-py retries itself (a few times, at once: a killed connection, a reconnect).
+#: Not its timeouts: a command that waited out the socket timeout goes back to our retry
+#: window (``_retry.py``), or a frozen server would cost (1 + retries) socket timeouts per try.
+RETRIED_BY_REDIS_PY: tuple[type[RedisError], ...] = (RedisConnectionError,)
 
 
 def default_url() -> str:
@@ -37,7 +41,7 @@ def url_options(url: str) -> dict[str, Any]:
         socket_connect_timeout=CONNECT_TIMEOUT,
         # keepalive is a TCP option (a unix socket connection refuses the argument)
         **({"socket_keepalive": True} if tcp else {}),
-        retry_on_error=[RedisConnectionError, RedisTimeoutError],
+        retry_on_error=list(RETRIED_BY_REDIS_PY),
         health_check_interval=30,
     )
 

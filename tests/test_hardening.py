@@ -731,7 +731,7 @@ def test_keys_helper_recognises_only_own_blob_keys():
 
 @pytest.mark.parametrize(
     "case", ["state key", "foreign dedup", "foreign blob", "other's blob", "seq", "bytes",
-             "too many parts"],
+             "too many parts", "fence 0", "fence"],
 )  # fmt: skip
 def test_the_withdraw_refuses_garbage_before_any_write(target, case):
     """``lua/withdraw.lua`` deletes only the parts of its own accumulator's payload: garbage
@@ -756,6 +756,10 @@ def test_the_withdraw_refuses_garbage_before_any_write(target, case):
         args[0] = "1; DEL"
     elif case == "bytes":
         args[1] = "-5"
+    elif case == "fence 0":
+        args.append("0")  # (an expiry Redis would refuse after the deletes)
+    elif case == "fence":
+        args.append("1e5")
     else:
         args[1] = 1 << 50
     before = snapshot(r)

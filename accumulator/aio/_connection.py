@@ -28,6 +28,7 @@ from .._direct import as_pipeline_reply, direct, direct_pool
 from .._routing import raise_first_error
 from .._urls import (
     CONNECT_TIMEOUT,
+    RETRIED_BY_REDIS_PY,
     SOCKET_TIMEOUT,
     check_url,
     cluster_url,
@@ -75,7 +76,9 @@ _LOCK = threading.Lock()
 
 
 def _retry() -> Retry:
-    return Retry(ExponentialWithJitterBackoff(base=0.05, cap=1.0), retries=3)
+    # (as the synchronous clients': redis-py retries connection faults, not timeouts)
+    return Retry(ExponentialWithJitterBackoff(base=0.05, cap=1.0), retries=3,
+                 supported_errors=RETRIED_BY_REDIS_PY)  # fmt: skip
 
 
 def _check_client(client: object) -> None:

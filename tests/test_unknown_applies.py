@@ -1,0 +1,196 @@
+"""An apply whose outcome is unknown: it raised UnavailableError, and Redis may still run the
+copy it received. Made again by the same object it counts once; any other apply settles it
+first (counted, it stays counted; not, it never will be); and a Redis that stops answering
+is given up within the retry window plus the socket timeouts, not redis-py's retries of
+them."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+import accumulator
+from accumulator import _scripts
+from accumulator._requests import Batch, Call
+
+SMALL = (3, 2)
+LARGE = (64, 1024)  # 256 KiB: written as a part of its own (spread over slots on a cluster)
+
+
+def make(target: Any, shape: Any = SMALL, **kw: Any) -> accumulator.ConditionalAccumulator:
+    return accumulator.ConditionalAccumulator(np.float32, shape=shape, shared_name="u",
+                                              client=target.client(), **kw)  # fmt: skip
+
+
+def is_apply(request: Any) -> bool:
+    """The request that carries the apply script (alone, or last in its pipeline)."""
+    if isinstance(request, Call):
+        return request.name == "apply"
+    return (isinstance(request, Batch) and request.what == "apply_grad"
+            and request.commands[-1][:2] == ("EVALSHA", _scripts.sha("apply")))  # fmt: skip
+
+
+class LostApplies:
+    """Patches an object's driver: the next ``n`` apply requests raise UnavailableError,
+    after running (``ran``: the reply lost) or without being sent (kept in ``unsent``, for a
+    late copy to be run later with :meth:`late_copy`)."""
+
+    def __init__(self, acc: Any, ran: bool, n: int = 1) -> None:
+        self.do, self.ran, self.left = acc._do, ran, n
+        self.unsent: list[Any] = []
+        acc._do = self
+
+    def __call__(self, request: Any) -> Any:
+        if self.left and is_apply(request):
+            self.left -= 1
+            if self.ran:
+                self.do(request)
+            else:
+                self.unsent.append(request)
+            raise accumulator.UnavailableError("Redis unreachable (simulated)")
+        return self.do(request)
+
+    def late_copy(self) -> Any:
+        """Redis runs the copy it received before the outage, now: the script's reply."""
+        request = self.unsent.pop(0)
+        reply = self.do(request)
+        return reply[-1] if isinstance(request, Batch) else reply
+
+
+@pytest.mark.parametrize("ran", [True, False], ids=["ran", "not-sent"])
+@pytest.mark.parametrize("shape", [SMALL, LARGE], ids=["inline", "part"])
+def test_an_apply_made_again_after_unavailable_counts_once(target, shape, ran, caplog):
+    acc = make(target, shape)
+    lost = LostApplies(acc, ran)
+    with pytest.raises(accumulator.UnavailableError):
+        acc.apply_grad(np.full(shape, 2.0))
+    caplog.set_level(logging.INFO, logger="accumulator")
+    assert acc.apply_grad(np.full(shape, 2.0)) is True
+    assert "made again under its apply id: counted once" in caplog.text
+    if not ran:
+        assert lost.late_copy()[3] == 1  # the copy sent before: answered as a retry
+    assert acc.num_accumulated() == 1
+    acc.apply_grad(np.full(shape, 4.0))
+    np.testing.assert_array_equal(acc.take_grad(2, timeout=5), np.full(shape, 3.0))
+
+
+@pytest.mark.parametrize("ran", [True, False], ids=["ran", "not-sent"])
+@pytest.mark.parametrize("shape", [SMALL, LARGE], ids=["inline", "part"])
+def test_another_apply_settles_the_unknown_one_first(target, shape, ran, caplog):
+    """Counted, it stays counted; not sent, a copy Redis runs later is not counted."""
+    acc = make(target, shape)
+    lost = LostApplies(acc, ran)
+    with pytest.raises(accumulator.UnavailableError):
+        acc.apply_grad(np.full(shape, 2.0))
+    caplog.set_level(logging.INFO, logger="accumulator")
+    assert acc.apply_grad(np.full(shape, 4.0)) is True  # another gradient
+    if ran:
+        assert "was counted" in caplog.text
+    else:
+        assert "was not counted, and now never will be" in caplog.text
+        reply = lost.late_copy()
+        assert reply[0] == 0 and reply[3] == 1  # answered as a retry of a dropped apply
+    assert acc.num_accumulated() == (2 if ran else 1)
+    expected = 3.0 if ran else 4.0
+    np.testing.assert_array_equal(acc.take_grad(1, timeout=5), np.full(shape, expected))
+    # and nothing of the unsent one is left behind (its part: withdrawn or dropped)
+    r = target.redis()
+    assert not [k for k in r.scan_iter(match=acc._keys.pattern) if b":b:" in k]
+
+
+def test_the_same_gradient_at_another_step_is_another_apply(target):
+    acc = make(target)
+    LostApplies(acc, ran=False)
+    with pytest.raises(accumulator.UnavailableError):
+        acc.apply_grad(np.ones(SMALL), local_step=0)
+    acc.set_global_step(3)
+    assert acc.apply_grad(np.ones(SMALL), local_step=3) is True
+    assert acc.num_accumulated() == 1
+
+
+def test_a_settle_that_finds_redis_unreachable_keeps_it_held_and_sends_nothing(target):
+    acc = make(target)
+    lost = LostApplies(acc, ran=False)
+    with pytest.raises(accumulator.UnavailableError):
+        acc.apply_grad(np.ones(SMALL))
+    do = lost.do
+    settles = []
+
+    def unreachable_once(request: Any) -> Any:
+        if isinstance(request, Call) and request.name == "withdraw":
+            settles.append(request)
+            if len(settles) == 1:
+                raise accumulator.UnavailableError("still unreachable (simulated)")
+        elif is_apply(request) and len(settles) == 1:
+            raise AssertionError("the new apply was sent although the settle failed")
+        return do(request)
+
+    acc._do = unreachable_once
+    with pytest.raises(accumulator.UnavailableError, match="still unreachable"):
+        acc.apply_grad(np.full(SMALL, 4.0))
+    assert acc._identities.holding and acc.num_accumulated() == 0
+    assert acc.apply_grad(np.full(SMALL, 4.0)) is True  # settled now, then sent
+    assert len(settles) == 2 and not acc._identities.holding
+    lost.do(lost.unsent.pop())  # a late copy of the first: not counted
+    np.testing.assert_array_equal(acc.take_grad(1, timeout=5), np.full(SMALL, 4.0))
+
+
+def test_sparse_applies_are_settled_too(target):
+    acc = accumulator.SparseConditionalAccumulator(np.float32, shape=(10, 2), shared_name="us",
+                                                   client=target.client())  # fmt: skip
+    lost = LostApplies(acc, ran=False)
+    with pytest.raises(accumulator.UnavailableError):
+        acc.apply_indexed_slices_grad(
+            accumulator.IndexedSlices(np.ones((1, 2), np.float32), np.array([3]), [10, 2]))
+    assert acc.apply_grad([3], np.ones((1, 2)), [10, 2]) is True  # the same, again
+    assert lost.late_copy()[3] == 1 and acc.num_accumulated() == 1
+
+
+# -- a real server that stops answering ------------------------------------------------------
+
+
+def _frozen(own_server: Any) -> Any:
+    os.kill(own_server.server.pid, signal.SIGSTOP)
+    return own_server.server
+
+
+def test_a_frozen_server_is_given_up_after_the_window_not_redis_pys_retries(own_server):
+    """SIGSTOP (as a partition that drops packets): each try waits a socket timeout. redis-py
+    retried those timeouts itself, three times per command and per handshake: an apply with
+    retry_window=1 and a 2 s socket timeout raised after ~10 s (with the default 30 s, after
+    8 minutes)."""
+    acc = accumulator.ConditionalAccumulator(np.float32, SMALL, shared_name="f",
+                                             client=own_server.url + "?socket_timeout=2",
+                                             retry_window=1)  # fmt: skip
+    server = _frozen(own_server)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(accumulator.UnavailableError, match="Timeout"):
+            acc.apply_grad(np.ones(SMALL))
+        took = time.monotonic() - t0
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
+    assert took < 7, took  # two tries of a 2 s timeout (+ slack); ~10 s before
+
+
+def test_an_apply_lost_to_a_frozen_server_counts_once_when_made_again(own_server):
+    """The end to end case: Redis runs the copies it received once it answers again; the
+    worker, told UnavailableError, applies the same gradient again."""
+    acc = accumulator.ConditionalAccumulator(np.float32, SMALL, shared_name="f",
+                                             client=own_server.url + "?socket_timeout=1",
+                                             retry_window=0.5)  # fmt: skip
+    server = _frozen(own_server)
+    try:
+        with pytest.raises(accumulator.UnavailableError):
+            acc.apply_grad(np.ones(SMALL))
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
+    assert acc.apply_grad(np.ones(SMALL)) is True
+    assert acc.num_accumulated() == 1
+    np.testing.assert_array_equal(acc.take_grad(1, timeout=5), np.ones(SMALL))
