@@ -196,7 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
         "`accumulator demo [--help]` runs the distributed training demo (it takes its own "
         "options). "
         "exit codes: 0 ok, 1 not found, 2 usage error or refused, 3 cannot connect "
-        "(unreachable, wrong password), 4 other server error",
+        "(unreachable, wrong password), 4 other server error, 70 internal error (a bug)",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     _add_global_options(parser, top=True)

@@ -239,7 +239,8 @@ def _set_step(ctx: Context, args: argparse.Namespace) -> int:
 
 @command(
     "reset",
-    "drop the pending gradients (the step is kept)",
+    "drop the pending gradients and the rounds claimed by takers that are gone (the step "
+    "is kept)",
     arg("name", help="its shared_name"),
     destructive=True,
 )
@@ -332,7 +333,8 @@ def _evict(ctx: Context, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-@command("reset-container", "delete every accumulator of --container", destructive=True)
+@command("reset-container", "delete every accumulator and every sync job (running or not) "
+         "of --container", destructive=True)
 def _reset_container(ctx: Context, args: argparse.Namespace) -> int:
     if ctx.container is None:
         raise CliError(

@@ -11,7 +11,7 @@ The chief::
 
     ps = ParameterServer("mnist", replicas_to_aggregate=3, sparse={"emb"}, client=url)
     ps.initialize({"w": w0, "b": b0, "emb": emb0})  # or resumes a job already published
-    print(ps.accumulator_names)  # {"w": "mnist/w", ...} ("mnist/#fused/0": small ones fused)
+    print(ps.accumulator_names)  # {"w": "mnist/w", ...} ("mnist/#fused/0-<layout>": small fused)
     while not ps.finished:  # a finished job stays finished: a re-run chief does nothing
         # plain SGD (or {"w": 0.1, ...}, or fn(params, grads, step)); final: the last update,
         # then workers' pull(after=...) raise TrainingFinished
