@@ -194,3 +194,35 @@ def test_an_apply_lost_to_a_frozen_server_counts_once_when_made_again(own_server
     assert acc.apply_grad(np.ones(SMALL)) is True
     assert acc.num_accumulated() == 1
     np.testing.assert_array_equal(acc.take_grad(1, timeout=5), np.ones(SMALL))
+
+
+def test_the_asyncio_twin_holds_and_settles_the_same_way(target):
+    import asyncio
+
+    from _helpers import aclient
+
+    from accumulator import aio
+
+    async def main() -> None:
+        acc = aio.ConditionalAccumulator(np.float32, SMALL, shared_name="ua",
+                                         client=aclient(target))  # fmt: skip
+        do, unsent = acc._do, []
+
+        async def lost_once(conns: Any, request: Any) -> Any:
+            if is_apply(request) and not unsent:
+                unsent.append(request)
+                raise accumulator.UnavailableError("Redis unreachable (simulated)")
+            return await do(conns, request)
+
+        acc._do = lost_once
+        try:
+            with pytest.raises(accumulator.UnavailableError):
+                await acc.apply_grad(np.ones(SMALL))
+            assert await acc.apply_grad(np.ones(SMALL)) is True  # the same again
+            conns = acc._conns
+            late = await do(conns, unsent.pop())  # the copy Redis received before
+            assert late[3] == 1 and await acc.num_accumulated() == 1
+        finally:
+            await acc.aclose()
+
+    asyncio.run(main())
