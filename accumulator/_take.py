@@ -319,9 +319,12 @@ def _finish(acc: AccumulatorModel, taker: str, claim_key: str, blob_keys: list[b
 def _leave(acc: AccumulatorModel, taker: str, claim_key: str) -> Ops[None]:
     try:
         outcome = int((yield leave_call(acc._keys, taker, acc._schema)))
-    except Exception:  # noqa: BLE001 - the lease expires on its own if Redis is unreachable
-        logger.warning("could not withdraw taker %s from %s", taker, acc._keys.base,
-                       exc_info=True)  # fmt: skip
+    except Exception as exc:  # noqa: BLE001 - the lease expires on its own if Redis is unreachable
+        # (unreachable: one line, the take's own error says the rest; else the traceback)
+        unreachable = isinstance(exc, ConnectionError)
+        logger.warning("could not withdraw taker %s from %s%s", taker, acc._keys.base,
+                       f" ({exc}); its lease expires on its own" if unreachable else "",
+                       exc_info=not unreachable)  # fmt: skip
         return
     if outcome == 1:
         logger.info("an interrupted take of %r gave its claimed round back", acc._shared_name)
