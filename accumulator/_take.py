@@ -263,12 +263,17 @@ def _settled_finish(
             break
         except UnavailableError as exc:
             if time.monotonic() - started >= _model.FINISH_SETTLE_SECONDS:
-                raise UnavailableError(
+                unknown = UnavailableError(
                     f"take_grad on {acc._shared_name!r} could not learn, for "
                     f"{_model.FINISH_SETTLE_SECONDS:g}s, whether its finish ran: if it did, "
                     "the round is taken and lost with this error; if not, the next take "
                     f"takes it over ({exc})"
-                ) from exc
+                )
+                if held is not None:  # the interrupt held meanwhile is not dropped
+                    unknown.__cause__ = exc
+                    logger.error("%s", unknown)
+                    raise held from unknown
+                raise unknown from exc
             logger.warning("take_grad on %r: its finish may have run, Redis does not answer; "
                            "asking again", acc._shared_name)  # fmt: skip
         except KeyboardInterrupt as exc:

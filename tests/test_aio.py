@@ -352,6 +352,75 @@ def test_a_cancel_during_the_final_commit_lets_the_take_complete(target):
     run(main)
 
 
+def test_a_cancel_while_a_lost_finish_is_asked_again_lets_the_take_return_its_round(target):
+    """The finish ran, its reply was lost past the retry window, and a cancel came while the
+    take asked again: the cancel was thrown into the asking, and the round, finished in
+    Redis, was lost (asyncio review). The cancel is held, the take returns its round."""
+    async def main() -> None:
+        async with dense(target) as acc:
+            await acc.apply_grad(np.ones(3))
+            await acc.apply_grad(np.full(3, 3.0))
+            do, finishes = acc._do, []
+
+            async def lost_then_cancelled(conns: Any, request: Any) -> Any:
+                if isinstance(request, Call) and request.name == "finish":
+                    finishes.append(request)
+                    if len(finishes) == 1:
+                        await do(conns, request)  # it ran; the reply is lost, and a cancel
+                        caller.cancel()  # comes while the take will ask again
+                        raise accumulator.UnavailableError("Redis unreachable (simulated)")
+                return await do(conns, request)
+
+            acc._do = lost_then_cancelled
+            got = None
+
+            async def take() -> None:
+                nonlocal got
+                got = await acc.take_grad(2)
+                await asyncio.sleep(1)  # the cancel lands here
+
+            caller = asyncio.create_task(take())
+            with pytest.raises(asyncio.CancelledError):
+                await caller
+            np.testing.assert_array_equal(got, np.full(3, 2.0))
+            assert len(finishes) == 2
+            del acc._do
+            assert (await acc.num_accumulated(), await acc.global_step()) == (0, 1)
+
+    run(main)
+
+
+def test_a_cancel_during_an_apply_whose_commit_fails_holds_it_for_the_same_apply_again(target):
+    """A cancel while a large apply's commit was retried through an outage: it was thrown
+    into the apply's cleanup, which skipped it (parts left for an hour), and the apply, of
+    unknown outcome, was forgotten (asyncio review). Its apply id is kept now (an apply that
+    raised UnavailableError needs no cleanup): the same apply again counts once."""
+    from test_unknown_applies import is_apply
+
+    async def main() -> None:
+        async with dense(target, LARGE) as acc:
+            do, unsent = acc._do, []
+
+            async def unreachable_then_cancelled(conns: Any, request: Any) -> Any:
+                if is_apply(request) and not unsent:
+                    unsent.append(request)
+                    caller.cancel()
+                    await asyncio.sleep(0)
+                    raise accumulator.UnavailableError("Redis unreachable (simulated)")
+                return await do(conns, request)
+
+            acc._do = unreachable_then_cancelled
+            caller = asyncio.create_task(acc.apply_grad(np.ones(LARGE)))
+            with pytest.raises(asyncio.CancelledError) as caught:
+                await caller
+            assert isinstance(caught.value.__cause__, accumulator.UnavailableError)
+            assert await acc.apply_grad(np.ones(LARGE)) is True  # the same again
+            late = await do(acc._conns, unsent.pop())  # Redis runs the copy it had
+            assert late[-1][3] == 1 and await acc.num_accumulated() == 1
+
+    run(main)
+
+
 def test_a_task_that_only_takes_returns_the_round_when_cancelled_during_the_commit(target):
     """The take is the task's whole coroutine: the cancel held back by its final commit must
     not reach the task before it has returned (a task that returns with a cancel pending

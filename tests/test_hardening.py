@@ -445,6 +445,29 @@ def test_ctrl_c_while_a_finish_is_in_flight_returns_the_round_and_raises_next(ta
     assert acc.apply_grad(np.ones(SMALL), local_step=1)
 
 
+def test_ctrl_c_held_during_a_finish_that_cannot_be_learnt_is_raised(target, monkeypatch):
+    """Ctrl-C while the finish was asked again through an outage; the settle then gave up:
+    the held interrupt was dropped (asyncio review), the take raised UnavailableError and a
+    retry loop around it kept running. The interrupt is raised, the 'could not learn' error
+    its cause."""
+    monkeypatch.setattr(accumulator._model, "FINISH_SETTLE_SECONDS", 0.0)
+    acc = make(target)
+    acc.apply_grad(np.ones(SMALL))
+
+    def interrupted_then_unreachable(n, run):
+        if n == 1:
+            raise KeyboardInterrupt
+        raise accumulator.UnavailableError("Redis unreachable (simulated)")
+
+    _finishes(acc, interrupted_then_unreachable)
+    with pytest.raises(KeyboardInterrupt) as caught:
+        acc.take_grad(1, timeout=5)
+    assert isinstance(caught.value.__cause__, accumulator.UnavailableError)
+    assert "could not learn" in str(caught.value.__cause__)
+    del acc._do
+    assert acc.global_step() == 0 and acc.num_accumulated() == 1  # it had not run: given back
+
+
 # -- 7. no claim-then-fail ----------------------------------------------------------------------
 
 

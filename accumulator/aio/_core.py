@@ -55,20 +55,28 @@ _A = TypeVar("_A", bound="AccumulatorBase")
 _T = TypeVar("_T")
 
 
-async def _complete(work: Awaitable[_T]) -> tuple[_T, bool]:
+async def _complete(work: Awaitable[_T]) -> tuple[_T | BaseException, bool, bool]:
     """``await work``, which a cancellation of the calling task does not interrupt: a commit
-    (an apply, a take's finish) in flight completes, and its outcome is kept. Returns the
-    outcome and whether a cancel arrived meanwhile (the caller delivers it later)."""
+    (an apply, a take's finish) in flight completes, and its outcome is kept. Returns (its
+    result, or the exception it raised; whether it raised; whether a cancel arrived
+    meanwhile, which the caller delivers later, also when the work failed: a take asks again
+    for a finish whose reply was lost, and a cancel thrown into that lost the round)."""
     task = asyncio.ensure_future(work)
     absorbed = False
     while True:
         try:
-            return await asyncio.shield(task), absorbed
+            return await asyncio.shield(task), False, absorbed
         except asyncio.CancelledError:
             if task.cancelled():  # the work itself was cancelled (the loop is closing)
                 raise
             absorbed = True
-            logger.debug("a cancel arrived while a commit was in flight: it completes first")
+            if not task.done():
+                logger.debug("a cancel arrived while a commit was in flight: it completes first")
+                continue
+            error = task.exception()  # (it ended as the cancel came)
+            return (error if error is not None else task.result()), error is not None, absorbed
+        except BaseException as exc:  # noqa: BLE001 - the protocol decides what to do
+            return exc, True, absorbed
 
 
 def _rearm(task: asyncio.Task[Any] | None) -> None:
@@ -301,9 +309,14 @@ class AccumulatorBase(AccumulatorModel):
                 if _cancelling(task) > seen and not held and not ending:
                     raise asyncio.CancelledError("cancelled during the previous request")
                 if commit or ending:
-                    reply, absorbed = await _complete(self._do(conns, request))
+                    # (ending first: a take that asks again for a finish whose reply was lost
+                    # holds a cancel that came meanwhile, as the sync class holds Ctrl-C)
+                    ending = True
+                    outcome, failed, absorbed = await _complete(self._do(conns, request))
                     held = held or absorbed
-                    ending = ending or commit
+                    if failed:
+                        raise cast(BaseException, outcome)
+                    reply = outcome
                 else:
                     reply = await self._do(conns, request)
             except BaseException as exc:  # noqa: BLE001 - the protocol decides what to do
