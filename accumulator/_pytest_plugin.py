@@ -6,6 +6,10 @@
   compiler is present, stopped at the end).
 - ``redis_url``: its URL, with the server emptied (``FLUSHALL``) before each test, so that
   every test starts from no accumulators.
+- ``fake_redis``: an in-process fakeredis client (no server, no binary) on data of the test's
+  own; ``fake_async_redis``: its asyncio twin on the same data (for ``accumulator.aio``).
+  They need fakeredis (``pip install 'redis-accumulator[testing]'``); without it the tests
+  that ask for them are skipped, saying so.
 
 A test of a training loop is then ``def test_loop(redis_url): ...``. A ``redis-server`` (or
 ``valkey-server``) binary must be on ``PATH``, or its path in ``ACCUMULATOR_REDIS_SERVER``;
@@ -15,6 +19,7 @@ without one, the tests that ask for these fixtures are skipped with a message sa
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import redis
@@ -43,3 +48,32 @@ def redis_url(redis_server: RedisServer) -> str:
     finally:
         client.close()
     return redis_server.url
+
+
+@pytest.fixture
+def _accumulator_fake_server() -> Any:
+    """The fakeredis server behind one test's ``fake_redis`` and ``fake_async_redis``."""
+    fakeredis = pytest.importorskip(
+        "fakeredis", reason="redis-accumulator's fake_redis fixtures need fakeredis: "
+        "pip install 'redis-accumulator[testing]'",
+    )  # fmt: skip
+    return fakeredis.FakeServer()
+
+
+@pytest.fixture
+def fake_redis(_accumulator_fake_server: Any) -> Iterator[redis.Redis]:
+    """An in-process fakeredis client, its data the test's own (Lua scripts included)."""
+    import fakeredis
+
+    client = fakeredis.FakeRedis(server=_accumulator_fake_server)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def fake_async_redis(_accumulator_fake_server: Any) -> Any:
+    """``fake_redis``'s asyncio twin, on the same data (``accumulator.aio`` classes take
+    it as ``client=``)."""
+    import fakeredis
+
+    return fakeredis.FakeAsyncRedis(server=_accumulator_fake_server)

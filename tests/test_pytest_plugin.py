@@ -71,6 +71,42 @@ def test_a_local_clusters_ports_leave_the_callers_random_alone() -> None:
     assert random.random() == expected and len(picked) > 1
 
 
+FAKE_TESTS = '''
+import asyncio
+
+import numpy as np
+import accumulator
+from accumulator import aio
+
+
+def test_a_fake_redis(fake_redis):
+    acc = accumulator.ConditionalAccumulator(np.float32, (2,), shared_name="w",
+                                             client=fake_redis)
+    assert acc.apply_grad(np.ones(2, np.float32))
+    acc.apply_grad(np.ones(2, np.float32), local_step=1)  # left pending
+
+
+def test_each_fake_starts_empty_and_the_async_twin_shares_it(fake_redis, fake_async_redis):
+    assert accumulator.list_accumulators(client=fake_redis) == []
+    sync = accumulator.ConditionalAccumulator(np.float32, (2,), shared_name="w",
+                                              client=fake_redis)
+    sync.apply_grad(np.full(2, 3.0, np.float32))
+
+    async def main():
+        async with aio.ConditionalAccumulator(np.float32, (2,), shared_name="w",
+                                              client=fake_async_redis) as acc:
+            return (await acc.take_grad(1)).tolist()
+
+    assert asyncio.run(main()) == [3.0, 3.0]
+'''
+
+
+def test_a_users_tests_get_fake_clients_from_the_plugin(tmp_path: Path) -> None:
+    (tmp_path / "test_fake.py").write_text(FAKE_TESTS)
+    done = _pytest(tmp_path)
+    assert "2 passed" in done.stdout, done.stdout + done.stderr
+
+
 def test_the_plugin_can_be_turned_off(tmp_path: Path) -> None:
     (tmp_path / "test_loop.py").write_text(USER_TESTS)
     done = _pytest(tmp_path, "-p", "no:accumulator")
