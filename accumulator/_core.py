@@ -155,6 +155,8 @@ class AccumulatorBase(AccumulatorModel):
         """Run a protocol step to its end: each request is done here and its reply (or its
         exception) handed back. ``error``: thrown into the step first (it was interrupted
         while another driver ran it, :mod:`._together`)."""
+        if error is None:  # a closed object (or one holding an interrupt) says so first,
+            self._check_open()  # before any check of the input, as the asyncio twin does
         reply: Any = None
         while True:
             done, request = advance(ops, reply, error)

@@ -653,3 +653,21 @@ def test_an_object_used_in_a_second_event_loop_says_so(target):
     with accumulator.ConditionalAccumulator(np.float32, (3,), shared_name="two-loops",
                                             client=target.client()) as sync:  # fmt: skip
         assert sync.num_accumulated() == 1  # the second apply sent nothing
+
+
+def test_a_closed_object_given_bad_input_says_it_is_closed_in_both_twins(target):
+    """The sync class checked the input first (InvalidArgumentError), the asyncio twin the
+    closed object (asyncio review): both say closed now."""
+    sync = accumulator.ConditionalAccumulator(np.float32, (3,), shared_name="closed",
+                                              client=target.client())  # fmt: skip
+    sync.close()
+    with pytest.raises(accumulator.CancelledError, match="closed"):
+        sync.apply_grad(np.ones(4))
+
+    async def main() -> None:
+        acc = dense(target, shared_name="closed")
+        await acc.aclose()
+        with pytest.raises(accumulator.CancelledError, match="closed"):
+            await acc.apply_grad(np.ones(4))
+
+    run(main)
