@@ -390,7 +390,8 @@ def test_a_cancel_while_a_lost_finish_is_asked_again_lets_the_take_return_its_ro
     run(main)
 
 
-def test_a_cancel_during_an_apply_whose_commit_fails_holds_it_for_the_same_apply_again(target):
+def test_a_cancel_during_an_apply_whose_commit_fails_holds_it_for_the_same_apply_again(target,
+                                                                                      caplog):
     """A cancel while a large apply's commit was retried through an outage: it was thrown
     into the apply's cleanup, which skipped it (parts left for an hour), and the apply, of
     unknown outcome, was forgotten (asyncio review). Its apply id is kept now (an apply that
@@ -414,6 +415,7 @@ def test_a_cancel_during_an_apply_whose_commit_fails_holds_it_for_the_same_apply
             with pytest.raises(asyncio.CancelledError) as caught:
                 await caller
             assert isinstance(caught.value.__cause__, accumulator.UnavailableError)
+            assert "cancelled while it ended failed: " in caplog.text  # (not only the cause)
             assert await acc.apply_grad(np.ones(LARGE)) is True  # the same again
             late = await do(acc._conns, unsent.pop())  # Redis runs the copy it had
             assert late[-1][3] == 1 and await acc.num_accumulated() == 1

@@ -295,6 +295,8 @@ class AccumulatorBase(AccumulatorModel):
                 raise
             except BaseException as exc:
                 if held or _cancelling(task) > seen:
+                    if isinstance(exc, Exception):  # (its text would only be the cause)
+                        logger.warning("an operation cancelled while it ended failed: %s", exc)
                     raise asyncio.CancelledError("cancelled while the operation ended") from exc
                 raise
             if done:
