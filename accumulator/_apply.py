@@ -50,17 +50,18 @@ def apply(
             "one payload; split the parameter into several accumulators"
         )
     fingerprint = None
-    if acc._identities.holding:  # an earlier apply of unknown outcome: the same again?
+    if acc._identities.holding:  # an earlier apply of unknown outcome: settled first
         fingerprint = _model.apply_fingerprint(payload, shape_token, local_step, first_error)
-    ident = acc._identities.acquire(fingerprint)
-    again = ident.unsettled is not None  # the apply that raised UnavailableError, made again
+        yield from settle_held(acc)  # (raises, nothing sent, while Redis is unreachable)
+        counted = acc._identities.outcome(fingerprint)
+        if counted is not None:  # this is that apply, made again
+            logger.info("apply_grad on %r: the apply that raised UnavailableError, made again: "
+                        "%s", acc._shared_name, "it was counted, and is not sent again"
+                        if counted else "it was not counted; sending it now")  # fmt: skip
+            if counted:
+                return 1, None
+    ident = acc._identities.acquire()
     held = False
-    if acc._identities.holding:
-        try:
-            yield from _settle_held(acc)
-        except BaseException:
-            acc._identities.release(ident)  # (nothing sent under it)
-            raise
     spread = nbytes > _model.INLINE_MAX_BYTES and acc.spreads_parts
     try:
         try:
@@ -80,8 +81,8 @@ def apply(
     except BaseException as exc:
         if isinstance(exc, UnavailableError) and not isinstance(exc, NotDurableError):
             # Redis may still run the copy it received: the outcome is unknown. The identity
-            # is held (see _model.Identities): the same apply again counts once, another one
-            # settles this one first.
+            # is held (see _model.Identities): the object's next apply settles it first, and
+            # the same apply made again is then counted once.
             held = True
             if fingerprint is None:
                 fingerprint = _model.apply_fingerprint(payload, shape_token, local_step,
@@ -97,10 +98,6 @@ def apply(
     finally:
         if not held:
             acc._identities.release(ident)
-    if again:
-        logger.info("apply_grad on %r: the apply that raised UnavailableError was made again "
-                    "under its apply id: %s", acc._shared_name,
-                    "counted once" if int(reply[0]) == 1 else "dropped")  # fmt: skip
     code = int(reply[0])
     if garbage or (acc.spreads_parts and not inline and code != 1):
         # dropped (stale, refused: the script leased its parts to us) and what was swept
@@ -227,36 +224,34 @@ def _unlink_rewritten(acc: AccumulatorModel, parts: list[bytes]) -> Ops[None]:
                      acc._shared_name, exc_info=True)  # fmt: skip
 
 
-def _settle_held(acc: AccumulatorModel) -> Ops[None]:
-    """Settle the applies of unknown outcome this object holds (another apply is being made):
-    ``lua/withdraw.lua`` with a fence: counted, they stay counted; not, they never will be (a
-    copy Redis has yet to run is answered as a retry). Raises when Redis cannot be reached
-    (nothing sent then; they stay held); any other failure gives one up (logged: its outcome
-    stays unknown)."""
+def settle_held(acc: AccumulatorModel) -> Ops[None]:
+    """Settle the applies of unknown outcome this object holds, before it makes another:
+    ``lua/withdraw.lua`` with a fence. Counted, they stay counted; not, they never will be (a
+    copy Redis runs later is answered as a retry). Idempotent: another thread or task settling
+    the same one meanwhile learns the same outcome. Raises when Redis cannot be reached (they
+    stay held); another failure gives one up (logged: its outcome stays unknown)."""
     k = acc._keys
-    held = acc._identities.take_held()
-    try:
-        while held:
-            cid, seq, nbytes = held[0].client_id, held[0].seq, held[0].nbytes
-            try:
-                judged = yield Call("apply_grad (settling an earlier apply)", "withdraw",
-                                    [k.state, k.dedup(cid), k.blob(cid, seq)],
-                                    [seq, nbytes, _model.DEDUP_TTL_MS])  # fmt: skip
-            except ConnectionError:  # (UnavailableError too: Redis unreachable) still held
-                raise
-            except Exception:  # noqa: BLE001 - the new apply is what the caller asked for
-                logger.warning("apply_grad on %r: could not settle the earlier apply that "
-                               "raised UnavailableError; it may still be counted",
-                               acc._shared_name, exc_info=True)  # fmt: skip
-            else:
-                outcome = ("was counted (or dropped as stale)" if int(judged) < 0
-                           else "was not counted, and now never will be")  # fmt: skip
-                logger.info("apply_grad on %r: the earlier apply that raised UnavailableError "
-                            "%s", acc._shared_name, outcome)  # fmt: skip
-            acc._identities.release(held.pop(0))
-    finally:
-        for ident in held:  # (interrupted, or Redis unreachable)
-            acc._identities.put_back(ident)
+    for ident in acc._identities.held():
+        cid, seq = ident.client_id, ident.seq
+        try:
+            judged = int((yield Call("apply_grad (settling an earlier apply)", "withdraw",
+                                     [k.state, k.dedup(cid), k.blob(cid, seq)],
+                                     [seq, ident.nbytes, _model.DEDUP_TTL_MS])))  # fmt: skip
+        except ConnectionError:  # (UnavailableError too: Redis unreachable) still held
+            raise
+        except Exception:  # noqa: BLE001 - the new apply is what the caller asked for
+            logger.warning("apply_grad on %r: could not settle the earlier apply that raised "
+                           "UnavailableError; it may still be counted", acc._shared_name,
+                           exc_info=True)  # fmt: skip
+            judged = -3
+        if judged == -3:
+            logger.warning("apply_grad on %r: the outcome of the earlier apply that raised "
+                           "UnavailableError is unknown", acc._shared_name)  # fmt: skip
+        else:
+            logger.info("apply_grad on %r: the earlier apply that raised UnavailableError %s",
+                        acc._shared_name, "was counted" if judged == -1 else
+                        "was not counted, and now never will be")  # fmt: skip
+        acc._identities.settled(ident, None if judged == -3 else judged == -1)
 
 
 def _withdraw(acc: AccumulatorModel, cid: str, seq: int, nbytes: int) -> Ops[None]:

@@ -497,10 +497,12 @@ def _new(client: Any) -> tuple[redis.Redis, redis.Redis]:
         base, owned = twin_client(client), True
     pool = base.connection_pool
     timeout = pool.connection_kwargs.get("socket_timeout") or SOCKET_TIMEOUT
-    commands = _derive(pool, limit=True, command_packer=_PACKER, decode_responses=False,
-                       socket_timeout=timeout)  # fmt: skip
-    blocking = _derive(pool, limit=False, command_packer=_PACKER, decode_responses=False,
-                       socket_timeout=BLOCKING_TIMEOUT)  # fmt: skip
+    # (our retries, not the client's: redis-py's default Retry retries timeouts too, ten
+    # times: a frozen server held a call for 15 socket timeouts whatever the retry window)
+    ours = dict(command_packer=_PACKER, decode_responses=False, retry=_retry(),
+                retry_on_error=list(RETRIED_BY_REDIS_PY))  # fmt: skip
+    commands = _derive(pool, limit=True, socket_timeout=timeout, **ours)
+    blocking = _derive(pool, limit=False, socket_timeout=BLOCKING_TIMEOUT, **ours)
     if owned:
         base.close()
     return commands, blocking

@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import threading
+import time
 import uuid
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -135,29 +138,33 @@ class Identities:
     (threads, asyncio tasks) never share one, and a sequential caller reuses the same.
 
     An apply that raised :class:`UnavailableError` may still be counted (Redis may run the copy
-    it received when it comes back): its identity is held, not lent again, until the outcome
-    is settled. The same apply made again (same step, shapes and bytes) gets that identity
-    back, sequence number unchanged, so Redis counts it once; any other apply first settles
-    the held ones (:func:`._apply.settle`)."""
+    it received when it comes back): its identity is held, never lent again, until its outcome
+    is settled (:func:`._apply.settle_held`, before the object's next apply: counted, it stays
+    so; not, it never will be). The outcome is kept by fingerprint for as long as Redis keeps
+    retry records, so that the same apply made again is counted once: not sent again when
+    the first was counted, sent anew when it was not. Settling is idempotent: threads or tasks
+    that find the same held identity may all settle it, and all learn the same outcome.
+
+    A forked child gets identities of its own (the parent's would make Redis answer the
+    child's applies as retries of the parent's, and the other way round)."""
 
     def __init__(self) -> None:
         self._free: list[Identity] = []
         self._held: list[Identity] = []
+        #: fingerprint -> (counted, monotonic time settled): settled applies of unknown outcome
+        self._outcomes: dict[bytes, tuple[bool, float]] = {}
         self._lock = threading.Lock()
+        _ALL_IDENTITIES.add(self)
 
     @property
     def holding(self) -> bool:
-        """Whether an apply of unknown outcome is held (cheap: the common path asks)."""
-        return bool(self._held)
+        """Whether an apply of unknown outcome is held or was settled recently (cheap: the
+        common path asks this only)."""
+        return bool(self._held or self._outcomes)
 
-    def acquire(self, fingerprint: bytes | None = None) -> Identity:
-        """An identity no apply in flight uses, its sequence number advanced; or, when
-        ``fingerprint`` is that of a held apply, that apply's identity as it was (a retry)."""
+    def acquire(self) -> Identity:
+        """An identity no apply in flight uses, its sequence number advanced."""
         with self._lock:
-            if fingerprint is not None:
-                for i, held in enumerate(self._held):
-                    if held.unsettled == fingerprint:
-                        return self._held.pop(i)
             ident = self._free.pop() if self._free else Identity(uuid.uuid4().hex[:16])
         ident.seq += 1
         return ident
@@ -174,16 +181,51 @@ class Identities:
         with self._lock:
             self._held.append(ident)
 
-    def put_back(self, ident: Identity) -> None:
-        """Hold again an identity :meth:`take_held` gave out that was not settled."""
+    def held(self) -> list[Identity]:
+        """The identities held now (they stay held until :meth:`settled`)."""
         with self._lock:
-            self._held.append(ident)
+            return list(self._held)
 
-    def take_held(self) -> list[Identity]:
-        """The held identities, each for one caller to settle (then release or hold again)."""
+    def settled(self, ident: Identity, counted: bool | None) -> None:
+        """The outcome of a held apply is known (None: it cannot be learnt): remember it by
+        fingerprint, lend the identity again (its next apply moves Redis's retry record past
+        the settled one)."""
         with self._lock:
-            held, self._held = self._held, []
-        return held
+            if ident not in self._held:
+                return  # (settled by another thread or task meanwhile)
+            self._held.remove(ident)
+            if ident.unsettled is not None and counted is not None:
+                self._outcomes[ident.unsettled] = (counted, time.monotonic())
+        self.release(ident)
+
+    def outcome(self, fingerprint: bytes) -> bool | None:
+        """Whether a settled apply with this fingerprint was counted (taken from the record:
+        answered once), or None (none settled, or settled longer ago than Redis keeps retry
+        records)."""
+        now = time.monotonic()
+        with self._lock:
+            for fp, (_, when) in list(self._outcomes.items()):
+                if now - when > DEDUP_TTL_MS / 1000:
+                    del self._outcomes[fp]
+            counted = self._outcomes.pop(fingerprint, None)
+        return None if counted is None else counted[0]
+
+    def _forked(self) -> None:
+        self._free, self._held, self._outcomes = [], [], {}
+        self._lock = threading.Lock()
+
+
+#: Every object's identities, reset in a forked child (os.register_at_fork, below).
+_ALL_IDENTITIES: weakref.WeakSet[Identities] = weakref.WeakSet()
+
+
+def _reset_identities_after_fork() -> None:
+    for identities in list(_ALL_IDENTITIES):
+        identities._forked()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_identities_after_fork)
 
 
 class AccumulatorModel:

@@ -116,7 +116,10 @@ else
 end
 
 -- A retry of an apply this client already made (the reply was lost) is answered again, not
--- applied again.
+-- applied again. A copy of an older apply of this client (sent before an outage, delayed in
+-- the network until the client had moved on: its outcome was settled by then, through a
+-- retry or withdraw.lua's fence) is not applied either: the client sends its applies in
+-- order, one at a time, so the record only moves forward.
 if prev then
   local pseq, pres = string.match(prev, '^(%d+) ?(%-?%d*)$')
   if pseq == seq then
@@ -124,6 +127,10 @@ if prev then
     -- the retry re-sent the payload with SET NX: a dropped one must not linger
     if pres == '0' then drop_payload() elseif spread then redis.call('ZREM', orphans, entry) end
     return {pres == '0' and 0 or 1, step, count, 1}
+  end
+  if is_count(pseq) and int_cmp(seq, pseq) < 0 then
+    drop_payload()
+    return {0, step, count, 1}
   end
 end
 

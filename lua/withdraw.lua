@@ -8,8 +8,10 @@
 -- before the outage) is answered as a retry, not counted.
 -- KEYS[1] state  KEYS[2] dedup key of this client  KEYS[3] blob key
 -- ARGV[1] client seq of the apply  ARGV[2] payload bytes  ARGV[3] '' or absent | fence ttl ms
--- Returns how many part keys it deleted, or -1: the apply was judged (counted, or dropped as
--- stale: the retry record holds its seq), nothing deleted.
+-- Returns how many part keys it deleted (the apply was not judged; with a fence, now it never
+-- will be), or, nothing deleted: -1 it was counted (the retry record holds its seq), -2 it
+-- was not (the record holds its seq as dropped: stale, or fenced before), -3 the record holds
+-- a later apply of this client (its outcome is no longer known here; nothing is written).
 -- Touches only the payload's own part keys and this client's retry record; every input and
 -- permission is checked first.
 local dedup, blob, seq = KEYS[2], KEYS[3], ARGV[1]
@@ -27,7 +29,9 @@ local err = check_acl(fence == '' and {'GET', dedup, 'UNLINK', blob}
 if err then return err end
 local prev = redis.pcall('GET', dedup)
 if type(prev) == 'table' then return refused('GET', dedup, prev.err) end
-if prev and string.match(prev, '^(%d+)') == seq then return -1 end
+local pseq, pres = string.match(prev or '', '^(%d+) ?(%-?%d*)$')
+if pseq == seq then return pres == '' and -1 or -2 end
+if is_count(pseq) and int_cmp(pseq, seq) > 0 then return -3 end
 -- (the deletes first: at maxmemory Redis refuses the SET below, never an UNLINK)
 local deleted = unlink_all(entry_keys(base, 'p' .. int_str(parts) .. ' ' .. blob))
 -- (an accumulator deleted since: a late copy is refused as NOTFOUND, nothing to fence)

@@ -72,7 +72,8 @@ def test_an_apply_made_again_after_unavailable_counts_once(target, shape, ran, c
         acc.apply_grad(np.full(shape, 2.0))
     caplog.set_level(logging.INFO, logger="accumulator")
     assert acc.apply_grad(np.full(shape, 2.0)) is True
-    assert "made again under its apply id: counted once" in caplog.text
+    assert ("it was counted, and is not sent again" if ran
+            else "it was not counted; sending it now") in caplog.text  # fmt: skip
     if not ran:
         assert lost.late_copy()[3] == 1  # the copy sent before: answered as a retry
     assert acc.num_accumulated() == 1
@@ -102,6 +103,81 @@ def test_another_apply_settles_the_unknown_one_first(target, shape, ran, caplog)
     # and nothing of the unsent one is left behind (its part: withdrawn or dropped)
     r = target.redis()
     assert not [k for k in r.scan_iter(match=acc._keys.pattern) if b":b:" in k]
+
+
+def test_a_late_copy_of_an_older_apply_is_not_counted(target):
+    """An apply ridden through a partition (its retry counted it), then the next apply of the
+    object, then the first copy, delayed in the network: Redis kept only the last apply's
+    record per client, and counted the copy (review)."""
+    acc = make(target)
+    do, copies = acc._do, []
+
+    def sent_twice(request: Any) -> Any:
+        if is_apply(request) and not copies:
+            copies.append(request)  # (a copy stays in the network)
+        return do(request)
+
+    acc._do = sent_twice
+    assert acc.apply_grad(np.full(SMALL, 2.0)) is True
+    assert acc.apply_grad(np.full(SMALL, 4.0)) is True  # the next apply, same client id
+    late = do(copies.pop())
+    assert late[0] == 0 and late[3] == 1  # answered as an old retry, not counted
+    assert acc.num_accumulated() == 2
+    np.testing.assert_array_equal(acc.take_grad(2, timeout=5), np.full(SMALL, 3.0))
+
+
+def test_a_settle_whose_reply_is_lost_still_lets_the_same_apply_count_once(target):
+    """The fence ran but its reply was lost: the same apply made again was answered from the
+    fence, 'dropped', and never counted (review). It is settled again first now."""
+    acc = make(target)
+    lost = LostApplies(acc, ran=False)
+    with pytest.raises(accumulator.UnavailableError):
+        acc.apply_grad(np.ones(SMALL))
+    do, settles = lost.do, []
+
+    def fence_reply_lost_once(request: Any) -> Any:
+        if isinstance(request, Call) and request.name == "withdraw":
+            settles.append(request)
+            if len(settles) == 1:
+                do(request)
+                raise accumulator.UnavailableError("reply lost (simulated)")
+        return do(request)
+
+    acc._do = fence_reply_lost_once
+    with pytest.raises(accumulator.UnavailableError, match="reply lost"):
+        acc.apply_grad(np.full(SMALL, 4.0))  # another apply: nothing of it sent
+    assert acc.apply_grad(np.ones(SMALL)) is True  # the first, made again
+    assert acc.num_accumulated() == 1 and len(settles) == 2
+    np.testing.assert_array_equal(acc.take_grad(1, timeout=5), np.ones(SMALL))
+
+
+def test_the_withdraw_never_fences_over_a_later_apply(target):
+    acc = make(target)
+    k, r = acc._keys, target.redis()
+    r.set(k.dedup("ab"), "7", px=60_000)
+    judged = _scripts.call(r, "withdraw", [k.state, k.dedup("ab"), k.blob("ab", 5)],
+                           ["5", 24, 60_000])  # fmt: skip
+    assert int(judged) == -3 and r.get(k.dedup("ab")) == b"7"
+
+
+def test_a_forked_child_applies_under_identities_of_its_own(real):
+    """A child forked after the object's first apply shared its (client id, seq): the
+    parent's next apply was answered as a retry of the child's, True and not counted."""
+    acc = make(real)
+    acc.apply_grad(np.zeros(SMALL))
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 0
+        try:
+            acc.apply_grad(np.full(SMALL, 3.0))
+        except BaseException:  # noqa: BLE001
+            code = 1
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert acc.apply_grad(np.full(SMALL, 6.0)) is True
+    assert acc.num_accumulated() == 3
+    np.testing.assert_array_equal(acc.take_grad(3, timeout=5), np.full(SMALL, 3.0))
 
 
 def test_the_same_gradient_at_another_step_is_another_apply(target):
@@ -134,9 +210,9 @@ def test_a_settle_that_finds_redis_unreachable_keeps_it_held_and_sends_nothing(t
     acc._do = unreachable_once
     with pytest.raises(accumulator.UnavailableError, match="still unreachable"):
         acc.apply_grad(np.full(SMALL, 4.0))
-    assert acc._identities.holding and acc.num_accumulated() == 0
+    assert acc._identities.held() and acc.num_accumulated() == 0
     assert acc.apply_grad(np.full(SMALL, 4.0)) is True  # settled now, then sent
-    assert len(settles) == 2 and not acc._identities.holding
+    assert len(settles) == 2 and not acc._identities.held()
     lost.do(lost.unsent.pop())  # a late copy of the first: not counted
     np.testing.assert_array_equal(acc.take_grad(1, timeout=5), np.full(SMALL, 4.0))
 
@@ -160,13 +236,21 @@ def _frozen(own_server: Any) -> Any:
     return own_server.server
 
 
-def test_a_frozen_server_is_given_up_after_the_window_not_redis_pys_retries(own_server):
+@pytest.mark.parametrize("kind", ["url", "client"])
+def test_a_frozen_server_is_given_up_after_the_window_not_redis_pys_retries(own_server, kind):
     """SIGSTOP (as a partition that drops packets): each try waits a socket timeout. redis-py
     retried those timeouts itself, three times per command and per handshake: an apply with
     retry_window=1 and a 2 s socket timeout raised after ~10 s (with the default 30 s, after
-    8 minutes)."""
-    acc = accumulator.ConditionalAccumulator(np.float32, SMALL, shared_name="f",
-                                             client=own_server.url + "?socket_timeout=2",
+    8 minutes); of a redis.Redis client's, ten times (~30 s)."""
+    import redis
+
+    client: Any = own_server.url + "?socket_timeout=2"
+    if kind == "client":
+        from urllib.parse import urlsplit
+
+        where = urlsplit(own_server.url)
+        client = redis.Redis(host=where.hostname, port=where.port, socket_timeout=2)
+    acc = accumulator.ConditionalAccumulator(np.float32, SMALL, shared_name="f", client=client,
                                              retry_window=1)  # fmt: skip
     server = _frozen(own_server)
     try:
@@ -222,6 +306,42 @@ def test_the_asyncio_twin_holds_and_settles_the_same_way(target):
             conns = acc._conns
             late = await do(conns, unsent.pop())  # the copy Redis received before
             assert late[3] == 1 and await acc.num_accumulated() == 1
+        finally:
+            await acc.aclose()
+
+    asyncio.run(main())
+
+
+def test_the_same_apply_made_again_while_another_task_settles_it_counts_once(target):
+    """The held apply's first copy ran; one task applies another gradient (settling it) while
+    another makes the held one again: the second found nothing held (the first had taken
+    it out to settle) and sent it under a new id: counted twice (review)."""
+    import asyncio
+
+    from _helpers import aclient
+
+    from accumulator import aio
+
+    async def main() -> None:
+        acc = aio.ConditionalAccumulator(np.float32, SMALL, shared_name="ur",
+                                         client=aclient(target))  # fmt: skip
+        do, lost = acc._do, []
+
+        async def reply_lost_once(conns: Any, request: Any) -> Any:
+            if is_apply(request) and not lost:
+                lost.append(await do(conns, request))  # it ran; its reply is lost
+                raise accumulator.UnavailableError("Redis unreachable (simulated)")
+            return await do(conns, request)
+
+        acc._do = reply_lost_once
+        try:
+            with pytest.raises(accumulator.UnavailableError):
+                await acc.apply_grad(np.full(SMALL, 10.0))
+            done = await asyncio.gather(acc.apply_grad(np.ones(SMALL)),
+                                        acc.apply_grad(np.full(SMALL, 10.0)))  # fmt: skip
+            assert done == [True, True]
+            assert await acc.num_accumulated() == 2
+            np.testing.assert_array_equal(await acc.take_grad(2), np.full(SMALL, 5.5))
         finally:
             await acc.aclose()
 
