@@ -6,6 +6,7 @@ them."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import signal
@@ -14,9 +15,10 @@ from typing import Any
 
 import numpy as np
 import pytest
+from _helpers import aclient
 
 import accumulator
-from accumulator import _scripts
+from accumulator import _scripts, aio
 from accumulator._requests import Batch, Call
 
 SMALL = (3, 2)
@@ -63,14 +65,21 @@ class LostApplies:
         return reply[-1] if isinstance(request, Batch) else reply
 
 
-@pytest.mark.parametrize("ran", [True, False], ids=["ran", "not-sent"])
-@pytest.mark.parametrize("shape", [SMALL, LARGE], ids=["inline", "part"])
-def test_an_apply_made_again_after_unavailable_counts_once(target, shape, ran, caplog):
+def lost_apply(target: Any, shape: Any, ran: bool, caplog: Any) -> tuple[Any, LostApplies]:
+    """An accumulator whose first apply (of 2.0s) raised UnavailableError, after running
+    (``ran``) or unsent; INFO logs captured from then on."""
     acc = make(target, shape)
     lost = LostApplies(acc, ran)
     with pytest.raises(accumulator.UnavailableError):
         acc.apply_grad(np.full(shape, 2.0))
     caplog.set_level(logging.INFO, logger="accumulator")
+    return acc, lost
+
+
+@pytest.mark.parametrize("ran", [True, False], ids=["ran", "not-sent"])
+@pytest.mark.parametrize("shape", [SMALL, LARGE], ids=["inline", "part"])
+def test_an_apply_made_again_after_unavailable_counts_once(target, shape, ran, caplog):
+    acc, lost = lost_apply(target, shape, ran, caplog)
     assert acc.apply_grad(np.full(shape, 2.0)) is True
     assert ("it was counted, and is not sent again" if ran
             else "it was not counted; sending it now") in caplog.text  # fmt: skip
@@ -85,11 +94,7 @@ def test_an_apply_made_again_after_unavailable_counts_once(target, shape, ran, c
 @pytest.mark.parametrize("shape", [SMALL, LARGE], ids=["inline", "part"])
 def test_another_apply_settles_the_unknown_one_first(target, shape, ran, caplog):
     """Counted, it stays counted; not sent, a copy Redis runs later is not counted."""
-    acc = make(target, shape)
-    lost = LostApplies(acc, ran)
-    with pytest.raises(accumulator.UnavailableError):
-        acc.apply_grad(np.full(shape, 2.0))
-    caplog.set_level(logging.INFO, logger="accumulator")
+    acc, lost = lost_apply(target, shape, ran, caplog)
     assert acc.apply_grad(np.full(shape, 4.0)) is True  # another gradient
     if ran:
         assert "was counted" in caplog.text
@@ -281,12 +286,6 @@ def test_an_apply_lost_to_a_frozen_server_counts_once_when_made_again(own_server
 
 
 def test_the_asyncio_twin_holds_and_settles_the_same_way(target):
-    import asyncio
-
-    from _helpers import aclient
-
-    from accumulator import aio
-
     async def main() -> None:
         acc = aio.ConditionalAccumulator(np.float32, SMALL, shared_name="ua",
                                          client=aclient(target))  # fmt: skip
@@ -316,12 +315,6 @@ def test_the_same_apply_made_again_while_another_task_settles_it_counts_once(tar
     """The held apply's first copy ran; one task applies another gradient (settling it) while
     another makes the held one again: the second found nothing held (the first had taken
     it out to settle) and sent it under a new id: counted twice (review)."""
-    import asyncio
-
-    from _helpers import aclient
-
-    from accumulator import aio
-
     async def main() -> None:
         acc = aio.ConditionalAccumulator(np.float32, SMALL, shared_name="ur",
                                          client=aclient(target))  # fmt: skip
