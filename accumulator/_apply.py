@@ -49,11 +49,11 @@ def apply(
             f"gradient of {nbytes} bytes exceeds the {_model.MAX_PAYLOAD_BYTES} byte limit of "
             "one payload; split the parameter into several accumulators"
         )
-    fingerprint = None
+    key = _model.apply_key(nbytes, shape_token, local_step, first_error)
     if acc._identities.holding:  # an earlier apply of unknown outcome: settled first
-        fingerprint = _model.apply_fingerprint(payload, shape_token, local_step, first_error)
         yield from settle_held(acc)  # (raises, nothing sent, while Redis is unreachable)
-        counted = acc._identities.outcome(fingerprint)
+        counted = acc._identities.outcome(
+            key, lambda: _model.apply_fingerprint(payload, shape_token, local_step, first_error))
         if counted is not None:  # this is that apply, made again
             logger.info("apply_grad on %r: the apply that raised UnavailableError, made again: "
                         "%s", acc._shared_name, "it was counted, and is not sent again"
@@ -84,10 +84,8 @@ def apply(
             # is held (see _model.Identities): the object's next apply settles it first, and
             # the same apply made again is then counted once.
             held = True
-            if fingerprint is None:
-                fingerprint = _model.apply_fingerprint(payload, shape_token, local_step,
-                                                       first_error)  # fmt: skip
-            acc._identities.hold(ident, fingerprint, nbytes)
+            fingerprint = _model.apply_fingerprint(payload, shape_token, local_step, first_error)
+            acc._identities.hold(ident, fingerprint, key)
         elif nbytes > _model.INLINE_MAX_BYTES and not acc.spreads_parts:
             yield from _withdraw(acc, ident.client_id, ident.seq, nbytes)
         elif spread and isinstance(exc, _REFUSED):

@@ -16,6 +16,7 @@ import threading
 import time
 import uuid
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -122,6 +123,13 @@ class Identity:
     unsettled: bytes | None = None
     #: That apply's payload bytes (what its withdraw names).
     nbytes: int = 0
+    #: That apply's :func:`apply_key` (what a fingerprint is computed for only when it matches).
+    key: tuple[Any, ...] = ()
+
+
+def apply_key(nbytes: int, shape_token: str, local_step: int, first_error: str) -> tuple[Any, ...]:
+    """What tells an apply from another without reading its payload."""
+    return (local_step, shape_token, first_error, nbytes)
 
 
 def apply_fingerprint(payload: memoryview, shape_token: str, local_step: int,
@@ -151,8 +159,9 @@ class Identities:
     def __init__(self) -> None:
         self._free: list[Identity] = []
         self._held: list[Identity] = []
-        #: fingerprint -> (counted, monotonic time settled): settled applies of unknown outcome
-        self._outcomes: dict[bytes, tuple[bool, float]] = {}
+        #: fingerprint -> (counted, monotonic time settled, apply_key): settled applies of
+        #: unknown outcome
+        self._outcomes: dict[bytes, tuple[bool, float, tuple[Any, ...]]] = {}
         self._lock = threading.Lock()
         _ALL_IDENTITIES.add(self)
 
@@ -175,9 +184,10 @@ class Identities:
         with self._lock:
             self._free.append(ident)
 
-    def hold(self, ident: Identity, fingerprint: bytes, nbytes: int) -> None:
-        """Keep aside the identity of an apply whose outcome is unknown."""
-        ident.unsettled, ident.nbytes = fingerprint, nbytes
+    def hold(self, ident: Identity, fingerprint: bytes, key: tuple[Any, ...]) -> None:
+        """Keep aside the identity of an apply whose outcome is unknown (``key``: its
+        :func:`apply_key`)."""
+        ident.unsettled, ident.key, ident.nbytes = fingerprint, key, int(key[-1])
         with self._lock:
             self._held.append(ident)
 
@@ -195,19 +205,24 @@ class Identities:
                 return  # (settled by another thread or task meanwhile)
             self._held.remove(ident)
             if ident.unsettled is not None and counted is not None:
-                self._outcomes[ident.unsettled] = (counted, time.monotonic())
+                self._outcomes[ident.unsettled] = (counted, time.monotonic(), ident.key)
         self.release(ident)
 
-    def outcome(self, fingerprint: bytes) -> bool | None:
-        """Whether a settled apply with this fingerprint was counted (taken from the record:
-        answered once), or None (none settled, or settled longer ago than Redis keeps retry
-        records)."""
+    def outcome(self, key: tuple[Any, ...], fingerprint: Callable[[], bytes]) -> bool | None:
+        """Whether a settled apply like this one (its :func:`apply_key`, then its
+        ``fingerprint()``, computed only when the key matches one) was counted (taken from the
+        record: answered once), or None (none settled, or settled longer ago than Redis keeps
+        retry records)."""
         now = time.monotonic()
         with self._lock:
-            for fp, (_, when) in list(self._outcomes.items()):
+            for fp, (_, when, _key) in list(self._outcomes.items()):
                 if now - when > DEDUP_TTL_MS / 1000:
                     del self._outcomes[fp]
-            counted = self._outcomes.pop(fingerprint, None)
+            if not any(k == key for _, _, k in self._outcomes.values()):
+                return None
+        found = fingerprint()
+        with self._lock:
+            counted = self._outcomes.pop(found, None)
         return None if counted is None else counted[0]
 
     def _forked(self) -> None:
