@@ -55,17 +55,18 @@ _A = TypeVar("_A", bound="AccumulatorBase")
 _T = TypeVar("_T")
 
 
-async def _complete(work: Awaitable[_T]) -> tuple[_T | BaseException, bool, bool]:
+async def _complete(work: Awaitable[_T]) -> tuple[asyncio.Future[_T], bool]:
     """``await work``, which a cancellation of the calling task does not interrupt: a commit
-    (an apply, a take's finish) in flight completes, and its outcome is kept. Returns (its
-    result, or the exception it raised; whether it raised; whether a cancel arrived
-    meanwhile, which the caller delivers later, also when the work failed: a take asks again
-    for a finish whose reply was lost, and a cancel thrown into that lost the round)."""
+    (an apply, a take's finish) in flight completes, and its outcome is kept. Returns the
+    ended work (its ``result()`` is the reply, or raises what the work raised) and whether a
+    cancel arrived meanwhile, which the caller delivers later, also when the work failed (a
+    take asks again for a finish whose reply was lost: a cancel thrown into that lost the
+    round)."""
     task = asyncio.ensure_future(work)
     absorbed = False
     while True:
         try:
-            return await asyncio.shield(task), False, absorbed
+            await asyncio.shield(task)
         except asyncio.CancelledError:
             if task.cancelled():  # the work itself was cancelled (the loop is closing)
                 raise
@@ -73,10 +74,10 @@ async def _complete(work: Awaitable[_T]) -> tuple[_T | BaseException, bool, bool
             if not task.done():
                 logger.debug("a cancel arrived while a commit was in flight: it completes first")
                 continue
-            error = task.exception()  # (it ended as the cancel came)
-            return (error if error is not None else task.result()), error is not None, absorbed
-        except BaseException as exc:  # noqa: BLE001 - the protocol decides what to do
-            return exc, True, absorbed
+        except BaseException:  # noqa: BLE001 - the work's own error: its result() raises it
+            if not task.done():
+                raise
+        return task, absorbed
 
 
 def _rearm(task: asyncio.Task[Any] | None) -> None:
@@ -314,11 +315,9 @@ class AccumulatorBase(AccumulatorModel):
                     # (ending first: a take that asks again for a finish whose reply was lost
                     # holds a cancel that came meanwhile, as the sync class holds Ctrl-C)
                     ending = True
-                    outcome, failed, absorbed = await _complete(self._do(conns, request))
+                    ended, absorbed = await _complete(self._do(conns, request))
                     held = held or absorbed
-                    if failed:
-                        raise cast(BaseException, outcome)
-                    reply = outcome
+                    reply = ended.result()
                 else:
                     reply = await self._do(conns, request)
             except BaseException as exc:  # noqa: BLE001 - the protocol decides what to do
