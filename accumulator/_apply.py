@@ -49,11 +49,10 @@ def apply(
             f"gradient of {nbytes} bytes exceeds the {_model.MAX_PAYLOAD_BYTES} byte limit of "
             "one payload; split the parameter into several accumulators"
         )
-    key = _model.apply_key(nbytes, shape_token, local_step, first_error)
+    key = _model.ApplyKey(local_step, shape_token, first_error, nbytes)
     if acc._identities.holding:  # an earlier apply of unknown outcome: settled first
         yield from settle_held(acc)  # (raises, nothing sent, while Redis is unreachable)
-        counted = acc._identities.outcome(
-            key, lambda: _model.apply_fingerprint(payload, shape_token, local_step, first_error))
+        counted = acc._identities.outcome(key, lambda: _model.apply_fingerprint(key, payload))
         if counted is not None:  # this is that apply, made again
             logger.info("apply_grad on %r: the apply that raised UnavailableError, made again: "
                         "%s", acc._shared_name, "it was counted, and is not sent again"
@@ -84,8 +83,7 @@ def apply(
             # is held (see _model.Identities): the object's next apply settles it first, and
             # the same apply made again is then counted once.
             held = True
-            fingerprint = _model.apply_fingerprint(payload, shape_token, local_step, first_error)
-            acc._identities.hold(ident, fingerprint, key)
+            acc._identities.hold(ident, _model.apply_fingerprint(key, payload), key)
         elif nbytes > _model.INLINE_MAX_BYTES and not acc.spreads_parts:
             yield from _withdraw(acc, ident.client_id, ident.seq, nbytes)
         elif spread and isinstance(exc, _REFUSED):
@@ -234,7 +232,7 @@ def settle_held(acc: AccumulatorModel) -> Ops[None]:
         try:
             judged = int((yield Call("apply_grad (settling an earlier apply)", "withdraw",
                                      [k.state, k.dedup(cid), k.blob(cid, seq)],
-                                     [seq, ident.nbytes, _model.DEDUP_TTL_MS])))  # fmt: skip
+                                     [seq, ident.key.nbytes, _model.DEDUP_TTL_MS])))  # fmt: skip
         except ConnectionError:  # (UnavailableError too: Redis unreachable) still held
             raise
         except Exception:  # noqa: BLE001 - the new apply is what the caller asked for

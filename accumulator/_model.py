@@ -18,7 +18,7 @@ import uuid
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -110,6 +110,15 @@ def _check_name(value: Any, what: str) -> str:
     return value
 
 
+class ApplyKey(NamedTuple):
+    """What tells an apply from another without reading its payload."""
+
+    local_step: int
+    shape_token: str
+    first_error: str
+    nbytes: int
+
+
 @dataclass
 class Identity:
     """An apply identity: Redis recognises a retried apply by (client id, sequence number),
@@ -121,22 +130,14 @@ class Identity:
     #: The fingerprint (:func:`apply_fingerprint`) of the apply this identity last sent when
     #: its outcome is unknown (it raised :class:`UnavailableError`); None otherwise.
     unsettled: bytes | None = None
-    #: That apply's payload bytes (what its withdraw names).
-    nbytes: int = 0
-    #: That apply's :func:`apply_key` (what a fingerprint is computed for only when it matches).
-    key: tuple[Any, ...] = ()
+    #: That apply's key (a fingerprint is computed only when one matches).
+    key: ApplyKey = ApplyKey(0, "", "", 0)
 
 
-def apply_key(nbytes: int, shape_token: str, local_step: int, first_error: str) -> tuple[Any, ...]:
-    """What tells an apply from another without reading its payload."""
-    return (local_step, shape_token, first_error, nbytes)
-
-
-def apply_fingerprint(payload: memoryview, shape_token: str, local_step: int,
-                      first_error: str) -> bytes:  # fmt: skip
-    """What tells an apply from another: its step, shapes and payload bytes (a digest)."""
+def apply_fingerprint(key: ApplyKey, payload: memoryview) -> bytes:
+    """What tells an apply from another: its key and payload bytes (a digest)."""
     digest = hashlib.blake2b(digest_size=16)
-    digest.update(f"{local_step}|{shape_token}|{first_error}|{payload.nbytes}|".encode())
+    digest.update(repr(tuple(key)).encode())
     digest.update(payload)
     return digest.digest()
 
@@ -159,9 +160,9 @@ class Identities:
     def __init__(self) -> None:
         self._free: list[Identity] = []
         self._held: list[Identity] = []
-        #: fingerprint -> (counted, monotonic time settled, apply_key): settled applies of
+        #: fingerprint -> (counted, monotonic time settled, its key): settled applies of
         #: unknown outcome
-        self._outcomes: dict[bytes, tuple[bool, float, tuple[Any, ...]]] = {}
+        self._outcomes: dict[bytes, tuple[bool, float, ApplyKey]] = {}
         self._lock = threading.Lock()
         _ALL_IDENTITIES.add(self)
 
@@ -184,10 +185,9 @@ class Identities:
         with self._lock:
             self._free.append(ident)
 
-    def hold(self, ident: Identity, fingerprint: bytes, key: tuple[Any, ...]) -> None:
-        """Keep aside the identity of an apply whose outcome is unknown (``key``: its
-        :func:`apply_key`)."""
-        ident.unsettled, ident.key, ident.nbytes = fingerprint, key, int(key[-1])
+    def hold(self, ident: Identity, fingerprint: bytes, key: ApplyKey) -> None:
+        """Keep aside the identity of an apply whose outcome is unknown."""
+        ident.unsettled, ident.key = fingerprint, key
         with self._lock:
             self._held.append(ident)
 
@@ -208,8 +208,8 @@ class Identities:
                 self._outcomes[ident.unsettled] = (counted, time.monotonic(), ident.key)
         self.release(ident)
 
-    def outcome(self, key: tuple[Any, ...], fingerprint: Callable[[], bytes]) -> bool | None:
-        """Whether a settled apply like this one (its :func:`apply_key`, then its
+    def outcome(self, key: ApplyKey, fingerprint: Callable[[], bytes]) -> bool | None:
+        """Whether a settled apply like this one (its key, then its
         ``fingerprint()``, computed only when the key matches one) was counted (taken from the
         record: answered once), or None (none settled, or settled longer ago than Redis keeps
         retry records)."""
