@@ -57,6 +57,13 @@ def _retry() -> Retry:
                  supported_errors=RETRIED_BY_REDIS_PY)  # fmt: skip
 
 
+def _retry_settings() -> dict[str, Any]:
+    """Our retries for a pool built from a client's settings: the client's own ``retry`` and
+    ``retry_on_error`` replaced (redis-py's default Retry retries timeouts too, ten times: a
+    frozen server held a call for 15 socket timeouts whatever the retry window)."""
+    return {"retry": _retry(), "retry_on_error": list(RETRIED_BY_REDIS_PY)}
+
+
 def _encode(value: Any) -> bytes | memoryview:
     if isinstance(value, (bytes, memoryview)):
         return value
@@ -253,7 +260,7 @@ def twin_client(client: Any) -> redis.Redis:
     kwargs = {k: v for k, v in pool.connection_kwargs.items()
               if k in accepted and k not in ("retry", "connection_pool", "credential_provider",
                                              "redis_connect_func", "self", "kwargs")}  # fmt: skip
-    kwargs.update(retry=_retry(), retry_on_error=list(RETRIED_BY_REDIS_PY))
+    kwargs.update(_retry_settings())
     pool_class = redis.BlockingConnectionPool if _is_blocking(pool) else redis.ConnectionPool
     new_pool = pool_class(connection_class=cls, **_pool_kwargs(pool), **kwargs)
     return redis.Redis(connection_pool=new_pool)
@@ -497,12 +504,10 @@ def _new(client: Any) -> tuple[redis.Redis, redis.Redis]:
         base, owned = twin_client(client), True
     pool = base.connection_pool
     timeout = pool.connection_kwargs.get("socket_timeout") or SOCKET_TIMEOUT
-    # (our retries, not the client's: redis-py's default Retry retries timeouts too, ten
-    # times: a frozen server held a call for 15 socket timeouts whatever the retry window)
-    ours = dict(command_packer=_PACKER, decode_responses=False, retry=_retry(),
-                retry_on_error=list(RETRIED_BY_REDIS_PY))  # fmt: skip
-    commands = _derive(pool, limit=True, socket_timeout=timeout, **ours)
-    blocking = _derive(pool, limit=False, socket_timeout=BLOCKING_TIMEOUT, **ours)
+    ours = dict(command_packer=_PACKER, decode_responses=False)
+    commands = _derive(pool, limit=True, socket_timeout=timeout, **ours, **_retry_settings())
+    blocking = _derive(pool, limit=False, socket_timeout=BLOCKING_TIMEOUT, **ours,
+                       **_retry_settings())  # fmt: skip
     if owned:
         base.close()
     return commands, blocking
