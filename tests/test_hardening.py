@@ -282,17 +282,22 @@ def test_an_apply_refused_at_maxmemory_half_way_leaves_none_of_its_parts(real):
     limit), and the round is as before."""
     r = real.redis()
     shape = (4 * (1 << 20) // 4,)  # 4 MiB of float32: five parts
-    acc = make(real, shape=shape)
+    # (on the cluster: the parts in the accumulator's slot, and the limit set on its node from
+    # that node's memory; INFO went to any node, and the limit was met or not by chance)
+    acc = make(real, shape=shape, spread_parts=False)
+    on: dict[str, Any] = {}
+    if real.kind == "cluster":
+        on["target_nodes"] = r.get_node_from_key(acc._keys.state)
     acc.apply_grad(np.ones(shape))
-    used = int(r.info("memory")["used_memory"])
-    r.config_set("maxmemory", used + (2 << 20))
+    used = int(r.info("memory", **on)["used_memory"])
+    r.config_set("maxmemory", used + (2 << 20), **on)
     try:
         before = snapshot(r, acc._keys.pattern)
         with pytest.raises(accumulator.ResourceExhaustedError):
             acc.apply_grad(np.full(shape, 2.0))
         assert snapshot(r, acc._keys.pattern) == before
     finally:
-        r.config_set("maxmemory", 0)
+        r.config_set("maxmemory", 0, **on)
     np.testing.assert_array_equal(acc.take_grad(1, timeout=5), np.ones(shape))
 
 
