@@ -25,6 +25,7 @@ from ._errors import PermissionDeniedError
 from ._retry import RETRY_WINDOW
 from ._urls import (
     CONNECT_TIMEOUT,
+    NOT_RETRIED_BY_REDIS_PY,
     RETRIED_BY_REDIS_PY,
     SOCKET_TIMEOUT,
     check_url,
@@ -47,14 +48,35 @@ BLOCKING_TIMEOUT = WAIT_SLICE + 5.0
 _BIG_ARG = 64 * 1024
 
 
+class _Retry(Retry):
+    """redis-py's ``Retry`` retrying connection faults only (a few quick retries ride out a
+    reconnect; the scripts make a re-sent apply or take count once). A timeout is not retried:
+    the attempt goes back to the retry window (``_retry.py``), which decides; redis-py
+    retrying timeouts too made a frozen server (SIGSTOP, a partition dropping packets) hold an
+    apply for 16 socket timeouts whatever the window. It still goes to redis-py's failure
+    handler, which drops the connection: some connections (Sentinel-managed ones) do not drop
+    themselves at a read timeout, and one put back in the pool handed the late reply to the
+    next command (a take read an apply's reply: the failover drill)."""
+
+    def call_with_retry(self, do: Callable[[], Any], fail: Callable[..., Any],
+                        is_retryable: Callable[[Exception], bool] | None = None,
+                        with_failure_count: bool = False) -> Any:  # fmt: skip
+        def once() -> Any:
+            try:
+                return do()
+            except NOT_RETRIED_BY_REDIS_PY as error:
+                if with_failure_count:
+                    fail(error, self._retries + 1)  # a last failure: nothing retried
+                else:
+                    fail(error)
+                raise
+
+        return super().call_with_retry(once, fail, is_retryable, with_failure_count)
+
+
 def _retry() -> Retry:
-    # A few quick retries ride out a reconnect; applies and takes are made idempotent by the
-    # scripts, so a re-sent command is counted once. Not timeouts: an attempt that waited a
-    # whole socket timeout goes back to the retry window (_retry.py), which decides; redis-py
-    # retrying them too made a frozen server (SIGSTOP, a partition dropping packets) hold an
-    # apply for 16 socket timeouts (8 minutes) whatever the window.
-    return Retry(ExponentialWithJitterBackoff(base=0.05, cap=1.0), retries=3,
-                 supported_errors=RETRIED_BY_REDIS_PY)  # fmt: skip
+    return _Retry(ExponentialWithJitterBackoff(base=0.05, cap=1.0), retries=3,
+                  supported_errors=RETRIED_BY_REDIS_PY)  # fmt: skip
 
 
 def _retry_settings() -> dict[str, Any]:

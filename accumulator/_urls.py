@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 from typing import Any
 from urllib.parse import urlsplit
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ._errors import InvalidArgumentError
 from ._redact import redact_url
@@ -25,6 +27,8 @@ CONNECT_TIMEOUT = 5.0
 #: Not its timeouts: a command that waited out the socket timeout goes back to our retry
 #: window (``_retry.py``), or a frozen server would cost (1 + retries) socket timeouts per try.
 RETRIED_BY_REDIS_PY: tuple[type[RedisError], ...] = (RedisConnectionError,)
+#: The faults it does not retry, but whose connection it must still drop (``_connection._Retry``).
+NOT_RETRIED_BY_REDIS_PY: tuple[type[Exception], ...] = (RedisTimeoutError, socket.timeout)
 
 
 def default_url() -> str:

@@ -140,3 +140,64 @@ def test_the_cli_gives_its_password_to_the_primary_sentinel_names() -> None:
         assert done.returncode == 0, done.stderr
         refused = subprocess.run(run, env=env, capture_output=True, text=True, timeout=60)
         assert refused.returncode == 3 and "password" in refused.stderr
+
+
+def test_a_timed_out_command_leaves_no_reply_behind_on_a_sentinel_connection(sentinel_master):
+    """A Sentinel-managed connection does not drop itself at a read timeout (redis-py leaves
+    that to its retry handler), and redis-py no longer retries timeouts for us: the connection
+    went back to the pool with the late reply unread, and the next command read it (found by
+    the failover drill: a take read an apply's reply, then a script's SHA)."""
+    import threading
+
+    client = sentinel_master.master_for("mymaster", socket_timeout=0.5)
+    acc = accumulator.ConditionalAccumulator(np.float32, shape=(2,), shared_name="t",
+                                             client=client, retry_window=0.1)  # fmt: skip
+    assert acc.apply_grad([1.0, 1.0]) is True
+    host, port = sentinel_master.discover_master("mymaster")
+    sleeper = redis.Redis(host=host, port=port)
+    busy = "local t = redis.call('TIME') repeat until redis.call('TIME')[1] - t[1] >= 3"
+    blocked = threading.Thread(target=sleeper.eval, args=(busy, 0))  # the server busy 2-3 s
+    blocked.start()
+    time.sleep(0.2)
+    with pytest.raises(accumulator.UnavailableError, match="Timeout"):
+        acc.num_accumulated()
+    blocked.join()
+    # every later call reads its own reply
+    assert acc.global_step() == 0
+    assert acc.apply_grad([2.0, 2.0]) is True
+    assert acc.num_accumulated() == 2
+    np.testing.assert_array_equal(acc.take_grad(2, timeout=5), [1.5, 1.5])  # the mean
+    assert acc.global_step() == 1
+
+
+def test_the_asyncio_twin_leaves_no_reply_behind_either(sentinel_master):
+    import asyncio
+    import threading
+
+    from redis.asyncio.sentinel import Sentinel as AsyncSentinel
+
+    from accumulator import aio
+
+    port = sentinel_master.sentinels[0].connection_pool.connection_kwargs["port"]
+    host, primary = sentinel_master.discover_master("mymaster")
+    busy = "local t = redis.call('TIME') repeat until redis.call('TIME')[1] - t[1] >= 3"
+
+    async def main() -> None:
+        client = AsyncSentinel([("127.0.0.1", port)], socket_timeout=1).master_for(
+            "mymaster", socket_timeout=0.5)  # fmt: skip
+        async with aio.ConditionalAccumulator(np.float32, shape=(2,), shared_name="at",
+                                              client=client, retry_window=0.1) as acc:  # fmt: skip
+            assert await acc.apply_grad([1.0, 1.0]) is True
+            blocked = threading.Thread(target=redis.Redis(host=host, port=primary).eval,
+                                       args=(busy, 0))  # fmt: skip
+            blocked.start()
+            await asyncio.sleep(0.2)
+            with pytest.raises(accumulator.UnavailableError, match="Timeout"):
+                await acc.num_accumulated()
+            await asyncio.to_thread(blocked.join)
+            assert await acc.global_step() == 0
+            assert await acc.apply_grad([2.0, 2.0]) is True
+            assert await acc.num_accumulated() == 2
+            np.testing.assert_array_equal(await acc.take_grad(2, timeout=5), [1.5, 1.5])
+
+    asyncio.run(main())

@@ -8,7 +8,7 @@ import asyncio
 import hashlib
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
@@ -28,6 +28,7 @@ from .._direct import as_pipeline_reply, direct, direct_pool
 from .._routing import raise_first_error
 from .._urls import (
     CONNECT_TIMEOUT,
+    NOT_RETRIED_BY_REDIS_PY,
     RETRIED_BY_REDIS_PY,
     SOCKET_TIMEOUT,
     check_url,
@@ -75,10 +76,31 @@ _SHARED: dict[object, _Entry] = {}
 _LOCK = threading.Lock()
 
 
+class _Retry(Retry):
+    """As the synchronous clients' (``accumulator._connection._Retry``): connection faults
+    retried, timeouts not, but still given to redis-py's failure handler, which drops the
+    connection (a late reply left in it would be read by the next command)."""
+
+    async def call_with_retry(self, do: Callable[[], Awaitable[Any]],
+                              fail: Callable[..., Any],
+                              is_retryable: Callable[[Exception], bool] | None = None,
+                              with_failure_count: bool = False) -> Any:  # fmt: skip
+        async def once() -> Any:
+            try:
+                return await do()
+            except NOT_RETRIED_BY_REDIS_PY as error:
+                if with_failure_count:
+                    await fail(error, self._retries + 1)  # a last failure: nothing retried
+                else:
+                    await fail(error)
+                raise
+
+        return await super().call_with_retry(once, fail, is_retryable, with_failure_count)
+
+
 def _retry() -> Retry:
-    # (as the synchronous clients': redis-py retries connection faults, not timeouts)
-    return Retry(ExponentialWithJitterBackoff(base=0.05, cap=1.0), retries=3,
-                 supported_errors=RETRIED_BY_REDIS_PY)  # fmt: skip
+    return _Retry(ExponentialWithJitterBackoff(base=0.05, cap=1.0), retries=3,
+                  supported_errors=RETRIED_BY_REDIS_PY)  # fmt: skip
 
 
 def _check_client(client: object) -> None:
