@@ -168,7 +168,8 @@ class ConditionalAccumulator(AccumulatorBase, DenseOps):
     (the accsum module adds each large gradient in place: Redis holds one gradient per round
     and the taker reads one, whatever the number of workers). ``None`` (default) decides from
     the server: yes when it runs the module and the dtype is float32/64 or an integer. Decided
-    at creation and stored; every later opener follows it (:attr:`sums_in_redis`).
+    at creation and stored; every later opener follows it (:attr:`sums_in_redis`). ``True``
+    on a server without the module (or a Redis Cluster) raises :class:`InvalidArgumentError`.
 
     ``spread_parts``: whether a new accumulator stores each large gradient's parts under
     hash tags of their own (one per part index), so that a Redis Cluster spreads one
@@ -185,6 +186,8 @@ class ConditionalAccumulator(AccumulatorBase, DenseOps):
     :attr:`durability_timeout` seconds (default 5), else it raises
     :class:`NotDurableError` (the gradient is counted: do not apply it again). A take waits
     the same way for its finish, and logs a shortfall (the round is already the caller's).
+    A server that cannot confirm writes that way (no ``WAIT``; ``WAITAOF`` before Redis 7.2
+    or without ``appendonly``) is refused at open with :class:`InvalidArgumentError`.
 
     ``retry_window``: seconds every operation, opening included, rides through an
     unreachable Redis before raising :class:`UnavailableError` (default 30; also the

@@ -478,7 +478,7 @@ class AccumulatorModel:
         if not (yield from _server_has_module()):
             if self._want_sum is None:  # the server decides
                 return ""
-            raise UnavailableError(
+            raise InvalidArgumentError(  # not transient: retrying would not help
                 "sum_in_redis=True, but the Redis server does not run the accsum module (see "
                 "the README's 'Redis module' section)"
             )
@@ -535,24 +535,28 @@ def _check_durability(durability: Durability | None) -> Ops[None]:
     try:
         yield Command("open", probe)
     except Exception as exc:  # noqa: BLE001 - whatever the server answers, it cannot do it
+        if isinstance(exc, UnavailableError) or _retry.is_transient(exc):
+            raise  # unreachable, not unable: the window's error as it is
         if "replica" in str(exc):
             # a replica refuses WAIT: a Sentinel-managed client reached the old primary in
             # a failover (the server can; the next write finds the new primary)
             return
         if _scripts.is_no_permission(exc):  # the user's ACL, not the server: say so
             _scripts.raise_translated(exc)  # (ours already, or redis-py's made ours)
-        raise UnavailableError(
+        raise InvalidArgumentError(  # not transient: retrying would not help
             f"{durability.describe()}: the Redis server cannot confirm writes that way "
             f"({probe[0]} failed: {exc})"
         ) from exc
 
 
 def _server_has_module() -> Ops[bool]:
-    """Whether the server runs our module (its probe command answers). Any error (unknown
-    command, no permission, fakeredis) means no."""
+    """Whether the server runs our module (its probe command answers). An error of the
+    command (unknown, no permission, fakeredis) means no; Redis unreachable raises."""
     try:
         reply = yield Command("open", (_module.PING_COMMAND,))
-    except Exception:  # noqa: BLE001 - unknown command, ACL, a double without modules
+    except Exception as exc:  # noqa: BLE001 - unknown command, ACL, a double without modules
+        if isinstance(exc, UnavailableError) or _retry.is_transient(exc):
+            raise
         return False
     return _module.is_probe_reply(reply)
 

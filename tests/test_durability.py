@@ -113,11 +113,12 @@ def test_wait_aof_needs_a_server_that_can(servers):
     version = tuple(int(x) for x in servers.primary.client().info("server")["redis_version"]
                     .split(".")[:2])  # fmt: skip
     if version < (7, 2):
-        with pytest.raises(accumulator.UnavailableError, match="WAITAOF failed"):
+        with pytest.raises(accumulator.InvalidArgumentError, match="WAITAOF failed"):
             make(servers, wait_aof=True)
         return
-    with pytest.raises(accumulator.UnavailableError, match="appendonly"):
+    with pytest.raises(accumulator.InvalidArgumentError, match="appendonly") as refused:
         make(servers, wait_aof=True)  # the primary runs without an AOF
+    assert not isinstance(refused.value, ConnectionError)  # not transient: nothing retries it
     with RedisServer(persistent=True, module=False) as server:
         acc = accumulator.ConditionalAccumulator(np.float32, (3,), client=server.url,
                                                  wait_aof=True)  # fmt: skip
@@ -129,7 +130,7 @@ def test_a_double_without_wait_is_refused_at_open_or_times_out():
     try:
         acc = accumulator.ConditionalAccumulator(np.float32, (3,), client=client,
                                                  min_replicas=1)  # fmt: skip
-    except accumulator.UnavailableError as exc:
+    except accumulator.InvalidArgumentError as exc:
         assert "cannot confirm writes" in str(exc)
         return
     acc.durability_timeout = 0.1

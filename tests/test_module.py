@@ -318,8 +318,9 @@ def test_types_the_module_does_not_add_stay_on_the_plain_path(module_url):
 
 def test_sum_in_redis_needs_the_module(real_url):
     redis.Redis.from_url(real_url).flushdb()
-    with pytest.raises(accumulator.UnavailableError, match="accsum"):
+    with pytest.raises(accumulator.InvalidArgumentError, match="accsum") as refused:
         make(real_url, sum_in_redis=True)
+    assert not isinstance(refused.value, ConnectionError)  # not transient: nothing retries it
     assert not make(real_url).sums_in_redis
     with pytest.raises(accumulator.InvalidArgumentError, match="sum_in_redis"):
         make(real_url, "x", sum_in_redis="yes")
