@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, TypeAlias, cast
 
 import redis
-from redis.backoff import ExponentialWithJitterBackoff
+from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
 from redis.cluster import RedisCluster
 from redis.connection import AbstractConnection, PythonRespSerializer
 from redis.exceptions import NoPermissionError, OutOfMemoryError, RedisClusterException
@@ -77,6 +77,15 @@ class _Retry(Retry):
 def _retry() -> Retry:
     return _Retry(ExponentialWithJitterBackoff(base=0.05, cap=1.0), retries=3,
                   supported_errors=RETRIED_BY_REDIS_PY)  # fmt: skip
+
+
+def cluster_retry() -> Retry:
+    """A cluster client's own retries: none. It refreshes its slot map at a fault and
+    follows MOVED/ASK itself, then the fault goes to our retry window (``_retry.py``), the
+    one policy. Its default retried every fault, timeouts too, three times with a slot-map
+    refresh each: a frozen primary held an apply ~11 socket timeouts per try of the window
+    (22 s with a 1 s socket timeout and ``retry_window=1``; ~11 minutes with the default)."""
+    return Retry(NoBackoff(), retries=0)
 
 
 def _retry_settings() -> dict[str, Any]:
@@ -442,7 +451,8 @@ def _cluster(client: RedisCluster | str, socket_timeout: float) -> Any:
     """A cluster client like the one given (its nodes, credentials and TLS; a URL's), that
     replies bytes, with our timeouts and retries."""
     settings: dict[str, Any] = dict(decode_responses=False, socket_timeout=socket_timeout,
-                                    socket_connect_timeout=CONNECT_TIMEOUT)  # fmt: skip
+                                    socket_connect_timeout=CONNECT_TIMEOUT,
+                                    retry=cluster_retry())  # fmt: skip
     if isinstance(client, str):
         url = client
         return _zero_copy_nodes(new_cluster(lambda: RedisCluster.from_url(url, **settings)))

@@ -4,7 +4,10 @@ through a ``redis.cluster.RedisCluster`` client and a ``redis+cluster://`` URL."
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -322,3 +325,48 @@ def test_a_spread_gradient_whose_record_was_lost_is_sent_again_and_a_refused_one
     assert list(r.scan_iter("acc:*")) == []
     del acc._do
     acc.close()
+
+
+@pytest.mark.parametrize("twin", ["sync", "asyncio"])
+def test_a_frozen_primary_is_given_up_after_the_window_not_the_cluster_clients_retries(twin):
+    """SIGSTOP of the primary serving the accumulator (a partition that drops packets): each
+    try waits a socket timeout. redis-py's cluster client retried every fault itself, timeouts
+    too, three times with a slot-map refresh each: with a 1 s socket timeout and
+    retry_window=1 an apply raised after ~22 s (with the default 30 s, ~11 minutes)."""
+    from accumulator import aio
+
+    if find_server_binary() is None:
+        pytest.skip("no redis-server binary (scripts/test.sh installs one)")
+    with LocalCluster(primaries=3, replicas_each=0) as nodes:
+        url = nodes.cluster_url + "?socket_timeout=1"
+        probe = accumulator.ConditionalAccumulator(np.float32, (4,), shared_name="fz", client=url)
+        owner = nodes.owner(nodes.client().keyslot(probe._keys.state))
+        probe.close()
+
+        def apply_frozen() -> float:
+            if twin == "sync":
+                acc = accumulator.ConditionalAccumulator(np.float32, (4,), shared_name="fz",
+                                                         client=url, retry_window=1)  # fmt: skip
+                os.kill(owner.pid, signal.SIGSTOP)
+                t0 = time.monotonic()
+                with pytest.raises(accumulator.UnavailableError, match="Timeout"):
+                    acc.apply_grad(np.ones(4))
+                return time.monotonic() - t0
+
+            async def main() -> float:
+                opened = aio.ConditionalAccumulator(np.float32, (4,), shared_name="fz",
+                                                    client=url, retry_window=1)  # fmt: skip
+                async with opened as acc:
+                    os.kill(owner.pid, signal.SIGSTOP)
+                    t0 = time.monotonic()
+                    with pytest.raises(accumulator.UnavailableError, match="Timeout"):
+                        await acc.apply_grad(np.ones(4))
+                    return time.monotonic() - t0
+
+            return asyncio.run(main())
+
+        try:
+            took = apply_frozen()
+        finally:
+            os.kill(owner.pid, signal.SIGCONT)
+    assert took < 5, took  # two tries of a 1 s timeout (+ slack); ~22 s before

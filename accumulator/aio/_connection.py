@@ -19,7 +19,7 @@ from redis.asyncio.connection import AbstractConnection as AsyncAbstractConnecti
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel as AsyncSentinel
 from redis.asyncio.sentinel import SentinelConnectionPool as AsyncSentinelPool
-from redis.backoff import ExponentialWithJitterBackoff
+from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
 from redis.exceptions import ResponseError
 
 from .. import _scripts
@@ -230,8 +230,10 @@ def is_cluster(client: Any) -> bool:
 def _cluster(client: Any, socket_timeout: float) -> Any:
     """An asyncio cluster client like the one given (its nodes and credentials; a URL's),
     replying bytes, with our timeouts."""
+    # no retries of its own (as the synchronous cluster clients': _connection.cluster_retry)
     settings: dict[str, Any] = dict(decode_responses=False, socket_timeout=socket_timeout,
-                                    socket_connect_timeout=CONNECT_TIMEOUT)  # fmt: skip
+                                    socket_connect_timeout=CONNECT_TIMEOUT,
+                                    retry=Retry(NoBackoff(), retries=0))  # fmt: skip
     if isinstance(client, str):
         return AsyncRedisCluster.from_url(client, **settings)
     from redis.asyncio.cluster import ClusterNode
