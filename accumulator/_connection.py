@@ -216,16 +216,41 @@ def _is_blocking(pool: Any) -> bool:
     )
 
 
-def sentinel_pool_like(pool_class: Any, pool: Any, kwargs: dict[str, Any]) -> Any:
+def sentinel_pool_like(pool_class: Any, pool: Any, kwargs: dict[str, Any],
+                       connection_class: Any = None) -> Any:  # fmt: skip
     """A new ``pool_class`` (redis-py's synchronous or asyncio Sentinel-managed pool: both
     take the same arguments) for the service of ``pool``, with the connection settings
-    ``kwargs``. Such a pool finds the current primary itself, and again after a failover."""
+    ``kwargs`` (and ``connection_class``, else ``pool``'s). Such a pool finds the current
+    primary itself, and again after a failover."""
     settings = {k: v for k, v in kwargs.items() if k != "connection_pool"}  # a proxy to pool
     return pool_class(
         pool.service_name, pool.sentinel_manager, is_master=pool.is_master,
-        check_connection=pool.check_connection, connection_class=pool.connection_class,
-        **settings,
+        check_connection=pool.check_connection,
+        connection_class=connection_class or pool.connection_class, **settings,
     )  # fmt: skip
+
+
+_DROPPING: dict[Any, Any] = {}
+
+
+def _dropping(cls: Any) -> Any:
+    """``cls`` (a Sentinel-managed connection class, or a user's subclass of one) whose reads
+    drop the connection at any error by default, as a plain connection's do. redis-py's
+    Sentinel-managed connection keeps it instead: a read cut by Ctrl-C (or by a timeout, or a
+    handshake cut short) put it back in the pool with the reply unread, and the next command
+    read the previous one's reply. (Pub/sub reads ask to keep it, and still do.)"""
+    made = _DROPPING.get(cls)
+    if made is None:
+
+        def read_response(self: Any, *args: Any, disconnect_on_error: bool = True,
+                          **kwargs: Any) -> Any:  # fmt: skip
+            return cls.read_response(self, *args, disconnect_on_error=disconnect_on_error,
+                                     **kwargs)  # fmt: skip
+
+        made = type(cls.__name__, (cls,), {"read_response": read_response,
+                                           "__module__": __name__})  # fmt: skip
+        _DROPPING[cls] = made
+    return made
 
 
 def _derive(pool: redis.ConnectionPool, *, limit: bool, **overrides: Any) -> redis.Redis:
@@ -234,7 +259,9 @@ def _derive(pool: redis.ConnectionPool, *, limit: bool, **overrides: Any) -> red
     kwargs = dict(pool.connection_kwargs)
     kwargs.update(overrides)
     if isinstance(pool, SentinelConnectionPool):
-        new_pool: redis.ConnectionPool = sentinel_pool_like(SentinelConnectionPool, pool, kwargs)
+        new_pool: redis.ConnectionPool = sentinel_pool_like(
+            SentinelConnectionPool, pool, kwargs, _dropping(pool.connection_class)
+        )
     elif limit:
         new_pool = pool.__class__(
             connection_class=pool.connection_class, **_pool_kwargs(pool), **kwargs

@@ -201,3 +201,39 @@ def test_the_asyncio_twin_leaves_no_reply_behind_either(sentinel_master):
             np.testing.assert_array_equal(await acc.take_grad(2, timeout=5), [1.5, 1.5])
 
     asyncio.run(main())
+
+
+def test_a_call_cut_by_ctrl_c_leaves_no_reply_behind_on_a_sentinel_connection(sentinel_master):
+    """redis-py's Sentinel-managed connection keeps itself at a read error (a plain one drops
+    itself): a read cut by Ctrl-C went back to the pool with its reply unread, and every
+    later reply came one call late (an apply answered False, a take raised TypeError)."""
+    import signal
+    import threading
+
+    def interrupt(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    client = sentinel_master.master_for("mymaster", socket_timeout=10)
+    acc = accumulator.ConditionalAccumulator(np.float32, shape=(2,), shared_name="k",
+                                             client=client)  # fmt: skip
+    acc.set_global_step(7)
+    assert acc.apply_grad([1.0, 1.0], local_step=7) is True
+    host, port = sentinel_master.discover_master("mymaster")
+    busy = "local t = redis.call('TIME') repeat until redis.call('TIME')[1] - t[1] >= 2"
+    blocked = threading.Thread(target=redis.Redis(host=host, port=port).eval, args=(busy, 0))
+    blocked.start()
+    time.sleep(0.2)
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.3)  # "Ctrl-C" while the call waits its reply
+        with pytest.raises(KeyboardInterrupt):
+            acc.num_accumulated()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    blocked.join()
+    assert acc.global_step() == 7
+    assert acc.apply_grad([3.0, 3.0], local_step=7) is True
+    assert acc.num_accumulated() == 2
+    np.testing.assert_array_equal(acc.take_grad(2, timeout=5), [2.0, 2.0])
+    assert acc.global_step() == 8
