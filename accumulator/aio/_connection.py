@@ -118,9 +118,12 @@ def _check_client(client: object) -> None:
 
 def _derive(pool: Any, *, limit: bool, socket_timeout: float) -> aioredis.Redis:
     """A client like the one given (same server, credentials, connection class and, with
-    ``limit``, pool class and size), replying bytes, with our timeouts."""
+    ``limit``, pool class and size), replying bytes, with our timeouts and retries (the
+    client's own retried timeouts, ten times: see the synchronous ``_retry_settings``)."""
     kwargs = dict(pool.connection_kwargs)
-    kwargs.update(decode_responses=False, socket_timeout=socket_timeout)
+    kwargs.pop("retry_on_timeout", None)
+    kwargs.update(decode_responses=False, socket_timeout=socket_timeout, retry=_retry(),
+                  retry_on_error=list(RETRIED_BY_REDIS_PY))  # fmt: skip
     size: dict[str, Any] = {}
     if limit:
         most = getattr(pool, "max_connections", None)
