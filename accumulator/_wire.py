@@ -227,6 +227,13 @@ def _send_gets(
     return pool, conn
 
 
+def _drop(pending: tuple[Any, Any]) -> None:
+    """Give back a connection of :func:`_send_gets` whose replies will not be read."""
+    pool, conn = pending
+    conn.disconnect()
+    pool.release(conn)
+
+
 def _receive(pool: Any, conn: Any, read: Callable[[_Reader], _T]) -> _T | None:
     """``read`` the replies of :func:`_send_gets` (from a reader of the connection's socket),
     or None when a reply is not one this reader parses. The connection goes back to its pool
@@ -278,35 +285,43 @@ def _cluster_get_into(
     found: list[bool] = [False] * len(keys)
     failed: BaseException | None = None
     unsupported = False
+    done = 0  # the sent pipelines handed back to their pools so far
     try:
-        for node, indices in groups:
-            node_client = client.get_redis_connection(node)
-            sent.append((indices, _send_gets(node_client, [keys[i] for i in indices])))
-    except redis.ConnectionError:
-        unsupported = True  # a node is gone: redis-py's client finds where the keys went
-    for indices, pending in sent:
-        if pending is None:
-            unsupported = True
-            continue
-        if failed or unsupported:  # not to be read: never reuse it half-read
-            pending[1].disconnect()
-            pending[0].release(pending[1])
-            continue
         try:
-            # _receive gives the connection back
-            got = _receive(*pending, _gets_into([outs[i] for i in indices]))
-        except redis.ResponseError as exc:
-            failed = None if is_redirect(exc) else exc
-            unsupported = True
-            continue
-        except redis.ConnectionError:
-            unsupported = True
-            continue
-        if got is None:
-            unsupported = True
-            continue
-        for i, ok in zip(indices, got[1], strict=True):
-            found[i] = ok
+            for node, indices in groups:
+                node_client = client.get_redis_connection(node)
+                sent.append((indices, _send_gets(node_client, [keys[i] for i in indices])))
+        except (redis.ConnectionError, redis.TimeoutError):
+            unsupported = True  # a node is gone: redis-py's client finds where the keys went
+        for indices, pending in sent:
+            done += 1
+            if pending is None:
+                unsupported = True
+                continue
+            if failed or unsupported:  # not to be read: never reuse it half-read
+                _drop(pending)
+                continue
+            try:
+                # _receive gives the connection back
+                got = _receive(*pending, _gets_into([outs[i] for i in indices]))
+            except redis.ResponseError as exc:
+                failed = None if is_redirect(exc) else exc
+                unsupported = True
+                continue
+            except redis.ConnectionError:
+                unsupported = True
+                continue
+            if got is None:
+                unsupported = True
+                continue
+            for i, ok in zip(indices, got[1], strict=True):
+                found[i] = ok
+    finally:
+        # anything else raised (Ctrl-C, an error of the send loop): the pipelines not read
+        # are dropped, not left checked out of their pools with their replies pending
+        for _, pending in sent[done:]:
+            if pending is not None:
+                _drop(pending)
     if failed is not None:
         raise failed
     return None if unsupported else found

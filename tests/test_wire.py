@@ -159,3 +159,47 @@ def test_bulk_arrays_are_parsed_in_both_protocols_and_across_reads():
         for _ in range(3):  # a null array, an integer, an array of integers: not ours to read
             with pytest.raises(_Unsupported):
                 reader.bulks()
+
+
+@pytest.mark.parametrize("where", ["send-timeout", "send-interrupt", "receive-interrupt"])
+def test_a_cluster_read_cut_short_leaves_no_connection_checked_out(real, monkeypatch, where):
+    """One pipeline per node is sent before any is read: an error other than a connection
+    fault (a timeout sending, Ctrl-C) left the other nodes' connections checked out of their
+    pools with their replies pending (review). A timeout sending now reads the ordinary way
+    (None), as a connection fault does."""
+    if real.kind != "cluster":
+        pytest.skip("one pipeline per node: a cluster's")
+    from accumulator import _wire
+
+    r = real.redis()
+    keys = [f"{{n{i}}}k" for i in range(12)]  # hash tags spread over the 3 primaries
+    for key in keys:
+        r.set(key, b"abc")
+    step, kind = where.split("-")
+    exc: BaseException = redis.TimeoutError("t") if kind == "timeout" else KeyboardInterrupt()
+    name = "_send_gets" if step == "send" else "_receive"
+    original = getattr(_wire, name)
+    calls = [0]
+
+    def second_fails(*args):
+        calls[0] += 1
+        if calls[0] == 2:
+            if step == "receive":  # as _receive does when it raises
+                args[1].disconnect()
+                args[0].release(args[1])
+            raise exc
+        return original(*args)
+
+    monkeypatch.setattr(_wire, name, second_fails)
+    if kind == "timeout":
+        assert get_into(r, keys, _bufs(*[3] * len(keys))) is None
+    else:
+        with pytest.raises(KeyboardInterrupt):
+            get_into(r, keys, _bufs(*[3] * len(keys)))
+    assert calls[0] == 2
+    for node in r.get_primaries():
+        pool = r.get_redis_connection(node).connection_pool
+        assert not pool._in_use_connections, node
+    monkeypatch.undo()
+    outs = _bufs(*[3] * len(keys))
+    assert get_into(r, keys, outs) == [True] * len(keys)
