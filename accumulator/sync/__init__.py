@@ -51,8 +51,9 @@ Semantics:
   parts of 1 MiB under keys of their version (run, step). A publish writes the new version's
   parts, then switches the hash to it in one MULTI with a PUBLISH (a reader never sees the
   parameters of one step with another's step number); the previous version stays readable
-  until the next publish deletes it (a minute at most), so Redis holds two versions at
-  most. Waiting workers sleep on that pub/sub channel and re-check the hash at least
+  until the next publish deletes it (a minute at most), so Redis holds two versions (a
+  restarted chief lets its predecessors' expire within a minute: add two per chief restart
+  in the last minute). Waiting workers sleep on that pub/sub channel and re-check the hash at least
   every ``POLL_SLICE`` seconds, so a lost message only costs latency.
 - Redis faults are ridden out: every command of the chief and the workers (publish, reads,
   counters, pub/sub waits, and the accumulators' own) is retried for ``retry_window`` seconds

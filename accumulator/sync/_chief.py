@@ -120,7 +120,8 @@ class ParameterServer(_Job):
         #: its parts are set to expire once a newer version is published
         self._published_version: tuple[str, int, str] | None = None
         #: the version published before that one: deleted when a newer one is published
-        #: (Redis holds at most two versions, however fast the steps)
+        #: (Redis holds two versions, however fast the steps; plus, for a minute after a
+        #: restart, those of the chiefs before: _expire_other_versions)
         self._older_version: tuple[str, int, str] | None = None
         # Gradients already taken for the current step when a step() timed out part-way:
         # the next step() continues from there instead of taking those parameters twice.

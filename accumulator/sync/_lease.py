@@ -152,7 +152,12 @@ class _ChiefLease:
                 raise conflict
             time.sleep(min(left, 1.0, max(0.05, conflict.expires_in or 0.0)))
         previous = reply_text(reply[1])
-        if previous:
+        if previous == self.chief_id:  # its id: at once, whether or not the lease ran out
+            logger.warning(
+                "sync job %r: chief %r takes over from the chief of the same id before it (a "
+                "restart, or two chiefs given one id?)", self.job, self.chief_id,
+            )  # fmt: skip
+        elif previous:
             logger.warning(
                 "sync job %r: chief %r takes over from chief %r, whose lease ran out (gone?)",
                 self.job, self.chief_id, previous,

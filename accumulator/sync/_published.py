@@ -7,7 +7,8 @@ parameter, or a fused bucket of small ones, its parameters side by side.
 
 The chief writes a version's parts first, then switches the hash to it in one MULTI, and
 lets the previous version expire a minute later, or deletes it at the next publish, whichever
-comes first (Redis holds two versions at most): a reader reads the hash, then the parts of
+comes first (Redis holds two versions; a restarted chief lets its predecessors' expire
+within a minute): a reader reads the hash, then the parts of
 the version it names; if that version is gone (two publishes meanwhile), it reads again."""
 
 from __future__ import annotations
