@@ -61,7 +61,10 @@ class Worker(_Job):
     """A replica: pulls the published parameters, pushes gradients at their step.
 
     ``worker_id`` labels this worker's push counters (default ``<hostname>-<pid>``); a worker
-    that restarts under the same id keeps adding to the same counters. ``retry_window``:
+    that restarts under the same id keeps adding to the same counters. The counters of every
+    id stay in the job's stats hash until the job is deleted (~80 bytes per id and counter):
+    a job whose workers restart often should give them stable ids (a pod name, a rank), or
+    its stats and ``accumulator job NAME`` list every process that ever pushed. ``retry_window``:
     seconds of Redis outage every operation rides through (a waiting ``pull`` subscribes
     again after its connection dropped).
     """
