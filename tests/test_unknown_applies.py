@@ -65,6 +65,32 @@ class LostApplies:
         return reply[-1] if isinstance(request, Batch) else reply
 
 
+class AsyncLostApplies:
+    """:class:`LostApplies` for an ``accumulator.aio`` object (its driver is awaited, and
+    given the connections)."""
+
+    def __init__(self, acc: Any, ran: bool, n: int = 1) -> None:
+        self.do, self.ran, self.left = acc._do, ran, n
+        self.unsent: list[tuple[Any, Any]] = []
+        acc._do = self
+
+    async def __call__(self, conns: Any, request: Any) -> Any:
+        if self.left and is_apply(request):
+            self.left -= 1
+            if self.ran:
+                await self.do(conns, request)
+            else:
+                self.unsent.append((conns, request))
+            raise accumulator.UnavailableError("Redis unreachable (simulated)")
+        return await self.do(conns, request)
+
+    async def late_copy(self) -> Any:
+        """Redis runs the copy it received before the outage, now: the script's reply."""
+        conns, request = self.unsent.pop(0)
+        reply = await self.do(conns, request)
+        return reply[-1] if isinstance(request, Batch) else reply
+
+
 def lost_apply(target: Any, shape: Any, ran: bool, caplog: Any) -> tuple[Any, LostApplies]:
     """An accumulator whose first apply (of 2.0s) raised UnavailableError, after running
     (``ran``) or unsent; INFO logs captured from then on."""
@@ -325,21 +351,12 @@ def test_the_asyncio_twin_holds_and_settles_the_same_way(target):
     async def main() -> None:
         acc = aio.ConditionalAccumulator(np.float32, SMALL, shared_name="ua",
                                          client=aclient(target))  # fmt: skip
-        do, unsent = acc._do, []
-
-        async def lost_once(conns: Any, request: Any) -> Any:
-            if is_apply(request) and not unsent:
-                unsent.append(request)
-                raise accumulator.UnavailableError("Redis unreachable (simulated)")
-            return await do(conns, request)
-
-        acc._do = lost_once
+        lost = AsyncLostApplies(acc, ran=False)
         try:
             with pytest.raises(accumulator.UnavailableError):
                 await acc.apply_grad(np.ones(SMALL))
             assert await acc.apply_grad(np.ones(SMALL)) is True  # the same again
-            conns = acc._conns
-            late = await do(conns, unsent.pop())  # the copy Redis received before
+            late = await lost.late_copy()  # the copy Redis received before
             assert late[3] == 1 and await acc.num_accumulated() == 1
         finally:
             await acc.aclose()
@@ -354,15 +371,7 @@ def test_the_same_apply_made_again_while_another_task_settles_it_counts_once(tar
     async def main() -> None:
         acc = aio.ConditionalAccumulator(np.float32, SMALL, shared_name="ur",
                                          client=aclient(target))  # fmt: skip
-        do, lost = acc._do, []
-
-        async def reply_lost_once(conns: Any, request: Any) -> Any:
-            if is_apply(request) and not lost:
-                lost.append(await do(conns, request))  # it ran; its reply is lost
-                raise accumulator.UnavailableError("Redis unreachable (simulated)")
-            return await do(conns, request)
-
-        acc._do = reply_lost_once
+        AsyncLostApplies(acc, ran=True)  # it runs; its reply is lost
         try:
             with pytest.raises(accumulator.UnavailableError):
                 await acc.apply_grad(np.full(SMALL, 10.0))
