@@ -37,7 +37,6 @@ from ._errors import (
     CancelledError,
     InvalidArgumentError,
     NotFoundError,
-    UnavailableError,
 )
 from ._keys import SCHEMA_VERSION, SPREAD_SCHEMA, Keys
 from ._requests import Batch, Call, Command, Ops
@@ -535,7 +534,7 @@ def _check_durability(durability: Durability | None) -> Ops[None]:
     try:
         yield Command("open", probe)
     except Exception as exc:  # noqa: BLE001 - whatever the server answers, it cannot do it
-        if isinstance(exc, UnavailableError) or _retry.is_transient(exc):
+        if _retry.is_unreachable(exc):
             raise  # unreachable, not unable: the window's error as it is
         if "replica" in str(exc):
             # a replica refuses WAIT: a Sentinel-managed client reached the old primary in
@@ -555,7 +554,7 @@ def _server_has_module() -> Ops[bool]:
     try:
         reply = yield Command("open", (_module.PING_COMMAND,))
     except Exception as exc:  # noqa: BLE001 - unknown command, ACL, a double without modules
-        if isinstance(exc, UnavailableError) or _retry.is_transient(exc):
+        if _retry.is_unreachable(exc):
             raise
         return False
     return _module.is_probe_reply(reply)

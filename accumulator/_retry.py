@@ -101,6 +101,12 @@ def is_transient(exc: BaseException) -> bool:
     return isinstance(exc, TRANSIENT) and not isinstance(exc, _PERMANENT)
 
 
+def is_unreachable(exc: BaseException) -> bool:
+    """Redis could not be reached: a transient fault, or the :class:`UnavailableError` a
+    retry window raised after them (not an answer of the server's)."""
+    return isinstance(exc, UnavailableError) or is_transient(exc)
+
+
 def breaks_wait(exc: BaseException) -> bool:
     """Whether a blocking wait that raised ``exc`` met a fault of its connection (the taker
     re-checks: the take script rides it out) rather than an error to raise. Our errors never
