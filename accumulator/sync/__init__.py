@@ -53,8 +53,8 @@ Semantics:
   parameters of one step with another's step number); the previous version stays readable
   until the next publish deletes it (a minute at most), so Redis holds two versions (a
   restarted chief lets its predecessors' expire within a minute: add two per chief restart
-  in the last minute). Waiting workers sleep on that pub/sub channel and re-check the hash at least
-  every ``POLL_SLICE`` seconds, so a lost message only costs latency.
+  in the last minute). Waiting workers sleep on that pub/sub channel and re-check the hash
+  at least every ``POLL_SLICE`` seconds, so a lost message only costs latency.
 - Redis faults are ridden out: every command of the chief and the workers (publish, reads,
   counters, pub/sub waits, and the accumulators' own) is retried for ``retry_window`` seconds
   (30 by default: a restart or failover), and a waiting worker subscribes again after its
