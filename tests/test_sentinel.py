@@ -6,6 +6,7 @@ import shutil
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -24,6 +25,15 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _stall(host: str, port: int, seconds: int) -> threading.Thread:
+    """The server busy for ``seconds`` (between seconds - 1 and seconds: a Lua loop on
+    ``TIME``'s whole seconds), from a thread of its own, started; join it to wait it out."""
+    busy = f"local t = redis.call('TIME') repeat until redis.call('TIME')[1] - t[1] >= {seconds}"
+    stalled = threading.Thread(target=redis.Redis(host=host, port=port).eval, args=(busy, 0))
+    stalled.start()
+    return stalled
 
 
 @pytest.fixture
@@ -147,17 +157,11 @@ def test_a_timed_out_command_leaves_no_reply_behind_on_a_sentinel_connection(sen
     that to its retry handler), and redis-py no longer retries timeouts for us: the connection
     went back to the pool with the late reply unread, and the next command read it (found by
     the failover drill: a take read an apply's reply, then a script's SHA)."""
-    import threading
-
     client = sentinel_master.master_for("mymaster", socket_timeout=0.5)
     acc = accumulator.ConditionalAccumulator(np.float32, shape=(2,), shared_name="t",
                                              client=client, retry_window=0.1)  # fmt: skip
     assert acc.apply_grad([1.0, 1.0]) is True
-    host, port = sentinel_master.discover_master("mymaster")
-    sleeper = redis.Redis(host=host, port=port)
-    busy = "local t = redis.call('TIME') repeat until redis.call('TIME')[1] - t[1] >= 3"
-    blocked = threading.Thread(target=sleeper.eval, args=(busy, 0))  # the server busy 2-3 s
-    blocked.start()
+    blocked = _stall(*sentinel_master.discover_master("mymaster"), 3)  # busy 2-3 s
     time.sleep(0.2)
     with pytest.raises(accumulator.UnavailableError, match="Timeout"):
         acc.num_accumulated()
@@ -172,15 +176,12 @@ def test_a_timed_out_command_leaves_no_reply_behind_on_a_sentinel_connection(sen
 
 def test_the_asyncio_twin_leaves_no_reply_behind_either(sentinel_master):
     import asyncio
-    import threading
 
     from redis.asyncio.sentinel import Sentinel as AsyncSentinel
 
     from accumulator import aio
 
     port = sentinel_master.sentinels[0].connection_pool.connection_kwargs["port"]
-    host, primary = sentinel_master.discover_master("mymaster")
-    busy = "local t = redis.call('TIME') repeat until redis.call('TIME')[1] - t[1] >= 3"
 
     async def main() -> None:
         client = AsyncSentinel([("127.0.0.1", port)], socket_timeout=1).master_for(
@@ -188,9 +189,7 @@ def test_the_asyncio_twin_leaves_no_reply_behind_either(sentinel_master):
         async with aio.ConditionalAccumulator(np.float32, shape=(2,), shared_name="at",
                                               client=client, retry_window=0.1) as acc:  # fmt: skip
             assert await acc.apply_grad([1.0, 1.0]) is True
-            blocked = threading.Thread(target=redis.Redis(host=host, port=primary).eval,
-                                       args=(busy, 0))  # fmt: skip
-            blocked.start()
+            blocked = _stall(*sentinel_master.discover_master("mymaster"), 3)  # busy 2-3 s
             await asyncio.sleep(0.2)
             with pytest.raises(accumulator.UnavailableError, match="Timeout"):
                 await acc.num_accumulated()
@@ -208,7 +207,6 @@ def test_a_call_cut_by_ctrl_c_leaves_no_reply_behind_on_a_sentinel_connection(se
     itself): a read cut by Ctrl-C went back to the pool with its reply unread, and every
     later reply came one call late (an apply answered False, a take raised TypeError)."""
     import signal
-    import threading
 
     def interrupt(*_: object) -> None:
         raise KeyboardInterrupt
@@ -218,10 +216,7 @@ def test_a_call_cut_by_ctrl_c_leaves_no_reply_behind_on_a_sentinel_connection(se
                                              client=client)  # fmt: skip
     acc.set_global_step(7)
     assert acc.apply_grad([1.0, 1.0], local_step=7) is True
-    host, port = sentinel_master.discover_master("mymaster")
-    busy = "local t = redis.call('TIME') repeat until redis.call('TIME')[1] - t[1] >= 2"
-    blocked = threading.Thread(target=redis.Redis(host=host, port=port).eval, args=(busy, 0))
-    blocked.start()
+    blocked = _stall(*sentinel_master.discover_master("mymaster"), 2)  # busy 1-2 s
     time.sleep(0.2)
     previous = signal.signal(signal.SIGALRM, interrupt)
     try:
