@@ -24,7 +24,7 @@ _WORKER = (
     "+hget +hmget +hgetall +hset +hsetnx +hdel +hincrby "
     "+rpush +lpush +lpop +lrange +lindex +lset +lrem +ltrim +blpop "
     "+zadd +zrem +zremrangebyscore +zrange +zrangebyscore +zscore +zcard "
-    "+publish +subscribe +unsubscribe +scan"
+    "+publish +subscribe +unsubscribe"
 )
 _VIEWER = (
     "+scan +type +hgetall +hmget +zrange +zcard +lrange +llen +pttl +exists +strlen +time "
@@ -44,7 +44,7 @@ ROLES: dict[str, str] = {
     "sync": _rules(
         f"~{DEFAULT_PREFIX}:* ~{SYNC_PREFIX}:*",
         f"&{DEFAULT_PREFIX}:* &{SYNC_PREFIX}:*",
-        _WORKER + " +multi +exec",
+        _WORKER + " +multi +exec +scan",
     ),
 }
 

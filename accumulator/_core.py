@@ -18,13 +18,13 @@ import redis
 from redis.client import PubSub
 from redis.exceptions import NoScriptError, ResponseError
 
-from . import _retry, _scripts, _take
+from . import _private, _retry, _scripts, _take
 from ._cluster_batch import by_node_batch, each, is_script, on_node, per_node
 from ._connection import Client, Connections, connect
 from ._direct import execute_batch, pooled
 from ._errors import CancelledError
 from ._keys import SCHEMA_VERSION, Keys
-from ._model import AccumulatorModel, server_of
+from ._model import AccumulatorModel, Identities, server_of
 from ._requests import (
     Batch,
     Call,
@@ -55,12 +55,10 @@ def leave(client: redis.Redis, keys: Keys, taker: str, schema: int = SCHEMA_VERS
     return int(_scripts.call(client, call.name, call.keys, call.args))
 
 
-def _delete_keys(conns: Connections, keys: Keys) -> None:
+def _delete_keys(conns: Connections, keys: Keys, identities: Identities) -> None:
     try:
-        names = list(conns.commands.scan_iter(match=keys.pattern, count=1000))
-        if names:
-            conns.commands.unlink(*names)
-    except Exception:  # noqa: BLE001 - best effort at close/finalize time
+        _private.run(conns.commands, _private.delete_ops(keys, list(identities.client_ids)))
+    except Exception:  # noqa: BLE001 - best effort at close/finalize time (the keys expire)
         logger.debug("could not delete private accumulator %s", keys.base, exc_info=True)
     finally:
         conns.close()
@@ -102,7 +100,7 @@ class AccumulatorBase(AccumulatorModel):
             self._conns.close()  # its share of the pools
             raise
         self._finalizer = (
-            weakref.finalize(self, _delete_keys, self._conns, self._keys)
+            weakref.finalize(self, _delete_keys, self._conns, self._keys, self._identities)
             if self._private
             else weakref.finalize(self, self._conns.close)
         )

@@ -159,6 +159,9 @@ class Identities:
     def __init__(self) -> None:
         self._free: list[Identity] = []
         self._held: list[Identity] = []
+        #: every client id lent so far (closing a private accumulator deletes their retry
+        #: records)
+        self.client_ids: list[str] = []
         #: fingerprint -> (counted, monotonic time settled, its key): settled applies of
         #: unknown outcome
         self._outcomes: dict[bytes, tuple[bool, float, ApplyKey]] = {}
@@ -174,7 +177,11 @@ class Identities:
     def acquire(self) -> Identity:
         """An identity no apply in flight uses, its sequence number advanced."""
         with self._lock:
-            ident = self._free.pop() if self._free else Identity(uuid.uuid4().hex[:16])
+            if self._free:
+                ident = self._free.pop()
+            else:
+                ident = Identity(uuid.uuid4().hex[:16])
+                self.client_ids.append(ident.client_id)
         ident.seq += 1
         return ident
 
@@ -225,7 +232,7 @@ class Identities:
         return None if counted is None else counted[0]
 
     def _forked(self) -> None:
-        self._free, self._held, self._outcomes = [], [], {}
+        self._free, self._held, self._outcomes, self.client_ids = [], [], {}, []
         self._lock = threading.Lock()
 
 

@@ -77,7 +77,7 @@ def test_worker_role_runs_dense_sparse_and_private_accumulators(acl):
     assert s.take_grad(1).indices.tolist() == [1, 2]
     private = accumulator.ConditionalAccumulator(np.float32, SHAPE, client=url)
     private.apply_grad(np.ones(SHAPE))
-    private.close()  # deletes its keys (SCAN + UNLINK)
+    private.close()  # deletes its keys (found by what names them: no SCAN)
 
 
 def test_a_role_scoped_to_a_container_keeps_teams_apart(acl, real):
@@ -255,7 +255,8 @@ def test_deleting_without_transactions_deletes_nothing(acl, real):
     worker = acl("worker")  # applies and takes: no MULTI
     for delete in (lambda: accumulator.reset_container("", client=worker),
                    lambda: accumulator.delete_accumulator("a", client=worker)):  # fmt: skip
-        with pytest.raises(accumulator.PermissionDeniedError, match="(?i)multi"):
+        # (reset_container lists the container first: a worker may not SCAN either)
+        with pytest.raises(accumulator.PermissionDeniedError, match="(?i)multi|scan"):
             delete()
         assert sorted(r.scan_iter("acc:*")) == before
     out, err = io.StringIO(), io.StringIO()

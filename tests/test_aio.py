@@ -573,9 +573,11 @@ def test_aclose_breaks_a_take_waiting_in_another_task(target, caplog):
 
 def test_a_private_accumulator_is_deleted_by_aclose(target):
     async def main() -> None:
-        async with aio.ConditionalAccumulator(np.float32, (2,), client=aclient(target)) as acc:
-            await acc.apply_grad([1.0, 2.0])
-            pattern = acc._keys.pattern
+        async with aio.ConditionalAccumulator(np.float32, (2, 1 << 18),
+                                              client=aclient(target)) as acc:  # fmt: skip
+            await acc.apply_grad(np.ones((2, 1 << 18)))  # 2 MiB: parts (spread on a cluster)
+            await acc.apply_grad(np.ones((2, 1 << 18)))
+            pattern = acc._keys.family_pattern
             r = acc.redis
             assert [k async for k in r.scan_iter(match=pattern)]
         assert not [k async for k in r.scan_iter(match=pattern)]

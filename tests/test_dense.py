@@ -92,6 +92,28 @@ def test_private_accumulators_are_unreachable_and_cleaned_up(target):
         a.num_accumulated()
 
 
+def test_closing_a_private_accumulator_deletes_every_key_without_a_scan(target):
+    """close() finds a private accumulator's keys by what names them (a SCAN walks the
+    whole keyspace: seconds on a Redis shared with millions of keys): a round of large
+    payloads (parts; spread over slots on a cluster; a running sum with the module) claimed
+    by a taker that is gone, a pending round, retry records; nothing is left."""
+    acc = accumulator.ConditionalAccumulator(np.float32, shape=(3, 1 << 18), client=target.client())
+    g = np.ones((3, 1 << 18), np.float32)  # 3 MiB: three parts
+    assert acc.apply_grad(g) and acc.apply_grad(2 * g)
+    assert int(take_script(acc, "12345-abcdef", 2, 60_000)[0]) == 1  # claimed, never read
+    assert acc.apply_grad(g, local_step=1) and acc.apply_grad(g, local_step=1)
+    r = target.redis()
+    pattern = acc._keys.family_pattern
+    assert len(list(r.scan_iter(match=pattern))) > 10
+    real = target.kind in ("real", "module")
+    if real:
+        r.config_resetstat()
+    acc.close()
+    if real:
+        assert "cmdstat_scan" not in r.info("commandstats")
+    assert not list(r.scan_iter(match=pattern))
+
+
 def test_deleted_accumulator_is_a_clear_error(target):
     acc = make(target)
     other = accumulator.ConditionalAccumulator(

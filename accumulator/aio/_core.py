@@ -16,7 +16,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.exceptions import NoScriptError, ResponseError
 
-from .. import _retry, _scripts
+from .. import _private, _retry, _scripts
 from .._errors import AccumulatorError, CancelledError
 from .._model import AccumulatorModel, server_of
 from .._requests import (
@@ -211,10 +211,8 @@ class AccumulatorBase(AccumulatorModel):
                            self._shared_name, CLOSE_GRACE)  # fmt: skip
         try:
             if self._private:
-                names = [k async for k in conns.commands.scan_iter(match=self._keys.pattern,
-                                                                    count=1000)]  # fmt: skip
-                if names:
-                    await conns.commands.unlink(*names)
+                ops = _private.delete_ops(self._keys, list(self._identities.client_ids))
+                await _run_plain(conns.commands, ops)
         except Exception:  # noqa: BLE001 - best effort at close time (the keys expire)
             logger.debug("could not delete private accumulator %s", self._keys.base,
                          exc_info=True)  # fmt: skip
@@ -540,3 +538,16 @@ async def _each(client: Any, command: tuple[Any, ...], raise_on_error: bool) -> 
         if raise_on_error:
             raise
         return exc
+
+
+async def _run_plain(client: aioredis.Redis, ops: Ops[Any]) -> Any:
+    """Run a plan of plain batches (no retries, no scripts): the twin of ``_private.run``."""
+    reply: Any = None
+    while True:
+        done, request = advance(ops, reply, None)
+        if done:
+            return request
+        pipe = client.pipeline(transaction=False)
+        for command in request.commands:
+            pipe.execute_command(*command)
+        reply = list(await pipe.execute())
