@@ -91,8 +91,9 @@ class Info:
     takers: tuple[Taker, ...] = ()
     claims: tuple[LeftClaim, ...] = ()  # rounds left behind
     retry_buffers: int = 0  # finished takes' rounds kept briefly for a retried take (expire)
-    keys: int | None = None  # keys of this accumulator found by SCAN
-    stray_keys: int = 0  # keys nothing refers to (e.g. payloads of applies that never landed)
+    keys: int | None = None  # keys of this accumulator found by SCAN (None: not scanned)
+    #: keys nothing refers to (e.g. payloads of applies that never landed); None: not scanned
+    stray_keys: int | None = 0
     stray_bytes: int | None = None  # their MEMORY USAGE (``describe`` with memory; else None)
     stray_expire_ms: int | None = None  # ms until the last of them expires (None: never / none)
     memory_bytes: int | None = None  # MEMORY USAGE summed over keys; None when unavailable

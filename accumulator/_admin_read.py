@@ -27,6 +27,7 @@ from ._codec import reply_text
 from ._connection import atomically
 from ._errors import NotFoundError
 from ._keys import DEFAULT_PREFIX, Keys, parse_state_key, state_pattern
+from ._private import named_claims
 
 logger = logging.getLogger("accumulator._admin")
 
@@ -88,8 +89,17 @@ def list_accumulators(
     :class:`Unreadable` (an :class:`Info` whose ``error`` says why), in its sorted place.
     Other errors raise.
     """
+    return list_found(r, _scan(r, state_pattern(container, prefix)), container, prefix=prefix)
+
+
+def list_found(
+    r: redis.Redis, state_keys: Iterable[bytes], container: str | None = None, *,
+    prefix: str = DEFAULT_PREFIX,
+) -> list[Info]:  # fmt: skip
+    """:func:`list_accumulators` of the state keys given (found by a SCAN: ``watch`` spreads
+    one over its frames, :class:`._admin_scan.StateScan`)."""
     found: list[tuple[str, str, Keys]] = []
-    for raw in _scan(r, state_pattern(container, prefix)):
+    for raw in state_keys:
         try:
             key = raw.decode("utf-8")
         except UnicodeDecodeError:
@@ -276,9 +286,15 @@ def describe(
     *,
     memory: bool = True,
     prefix: str = DEFAULT_PREFIX,
+    scan: bool = True,
 ) -> Info:
     """Everything about one accumulator: state, lifetime statistics, waiting takers, claims
     left behind, stray keys and (``memory=True``, where the server allows) MEMORY USAGE.
+
+    Claims are found by the registries that name them. ``scan=True`` also SCANs for the
+    accumulator's keys, to count them and find stray ones (and claims no registry names): a
+    SCAN walks the whole keyspace, about a second per million keys, so ``watch`` and the
+    changing commands pass ``scan=False`` (``keys`` and ``stray_keys`` are None then).
 
     Raises :class:`NotFoundError` when its state hash does not exist.
     """
@@ -292,9 +308,13 @@ def describe(
         pipe.hgetall(keys.taker_info)
         pipe.lrange(keys.grads, 0, -1)
         pipe.llen(keys.quarantine)
+        pipe.hgetall(keys.claims)
+        pipe.zrange(keys.finished, 0, -1)
 
     replies = atomically(r, queue)  # one consistent snapshot of the fixed keys
-    now_reply, state, ranked, taker_info, entries, quarantined = clocks[-1](replies)
+    now_reply, state, ranked, taker_info, entries, quarantined, registry, finished = clocks[-1](
+        replies
+    )
     if not state:
         raise _not_found(shared_name, container)
     now = _server_ms(now_reply)
@@ -308,7 +328,10 @@ def describe(
     }  # fmt: skip
     claim_head = _key_bytes(keys.claim(""))
     dedup_head = _key_bytes(keys.dedup(""))
-    found = _scan(r, keys.pattern) | {_key_bytes(keys.state)}
+    named = {_key_bytes(k) for k in named_claims(
+        keys, registry or {}, finished or [], taker_info or {}, [m for m, _ in ranked or []]
+    )}  # fmt: skip
+    found = (_scan(r, keys.pattern) if scan else set()) | {_key_bytes(keys.state)}
     found |= {
         _key_bytes(k)
         for k, there in (
@@ -319,12 +342,12 @@ def describe(
         )
         if there
     }
-    claim_keys = sorted(k for k in found if k.startswith(claim_head))
+    claim_keys = sorted(named | {k for k in found if k.startswith(claim_head)})
     referenced = set(keys.payload_keys(entries))
 
     claims, retry_buffers, in_claims = _left_claims(r, keys, claim_keys, claim_head, now)
     referenced |= in_claims
-    stray = [
+    stray = [] if not scan else [
         k
         for k in found
         if k not in fixed
@@ -349,13 +372,14 @@ def describe(
         stranded_claims=len(gone := [c for c in claims if _gone(c)]),
         stranded_grads=sum(c.count for c in gone),
         retry_buffers=retry_buffers,
-        keys=len(found),
-        stray_keys=len(stray),
+        keys=len(found) if scan else None,
+        stray_keys=len(stray) if scan else None,
         stray_bytes=stray_bytes,
         stray_expire_ms=stray_expire,
         quarantined=int(quarantined or 0),
         # with the parts of spread payloads (other slots, not under the pattern)
-        memory_bytes=_memory_usage(r, sorted(found | referenced)) if memory else None,
+        memory_bytes=_memory_usage(r, sorted(found | referenced | set(claim_keys)))
+        if memory else None,
     )
 
 

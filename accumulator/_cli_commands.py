@@ -10,6 +10,8 @@ import time
 from typing import Any
 
 from . import _admin, _admin_job, _admin_ops
+from ._admin_read import list_found
+from ._admin_scan import StateScan
 from ._cli_context import (
     EXIT_ERROR,
     EXIT_OK,
@@ -118,6 +120,7 @@ def _watch(ctx: Context, args: argparse.Namespace) -> int:
     tty = ctx.out.isatty() and not ctx.json
     prev: _admin.Info | None = None
     rates = Rates()
+    scan = StateScan(r, ctx.container)
     shown = 0
     lost: str | None = None  # when the server stopped answering (watch goes on)
     try:
@@ -130,12 +133,16 @@ def _watch(ctx: Context, args: argparse.Namespace) -> int:
             )
             try:
                 if args.name is None:
-                    infos = _admin.list_accumulators(r, ctx.container)
+                    # a tenth of each interval scans on (a whole SCAN a frame would keep a
+                    # server of many keys busy): see _admin_scan
+                    found = scan.keys(max(0.02, args.interval / 10))
+                    infos = list_found(r, found, ctx.container)
                     rows = rates.update(infos, int(time.time() * 1000))
                     document: Any = {"accumulators": rows}
                     lines = [header, "", *render_overview(rows, _with_container(ctx, infos))]
                 else:
-                    info = _admin.describe(r, args.name, ctx.scope)
+                    # (no SCAN: one each frame would keep a server of many keys busy)
+                    info = _admin.describe(r, args.name, ctx.scope, scan=False)
                     document = info.to_dict()
                     lines = [header, "", *render_show(info, prev)]
                     prev = info
@@ -214,7 +221,7 @@ def _some(names: list[str]) -> str:
 )
 def _set_step(ctx: Context, args: argparse.Namespace) -> int:
     r = ctx.connect()
-    info = _admin.describe(r, args.name, ctx.scope, memory=False)
+    info = _admin.describe(r, args.name, ctx.scope, memory=False, scan=False)
     if info.count or info.takers_waiting or info.stranded_claims:
         live = (
             f"{plural(info.count, 'pending gradient')} at step {info.step}, "
@@ -246,7 +253,7 @@ def _set_step(ctx: Context, args: argparse.Namespace) -> int:
 )
 def _reset(ctx: Context, args: argparse.Namespace) -> int:
     r = ctx.connect()
-    info = _admin.describe(r, args.name, ctx.scope, memory=False)
+    info = _admin.describe(r, args.name, ctx.scope, memory=False, scan=False)
     ctx.confirm(
         f"Drop the {plural(info.count, 'pending gradient')} "
         f"({fmt_bytes(info.bytes)}){_in_claims(info)} of {_where(args.name, ctx.scope)}?",
@@ -273,7 +280,7 @@ def _reset(ctx: Context, args: argparse.Namespace) -> int:
 def _delete(ctx: Context, args: argparse.Namespace) -> int:
     r = ctx.connect()
     try:
-        info = _admin.describe(r, args.name, ctx.scope, memory=False)
+        info = _admin.describe(r, args.name, ctx.scope, memory=False, scan=False)
         detail = (
             f" (step {info.step}, {plural(info.count, 'pending gradient')}, "
             f"{plural(info.takers_waiting, 'waiting taker')})"
@@ -308,7 +315,8 @@ def _evict(ctx: Context, args: argparse.Namespace) -> int:
     r = ctx.connect()
     what = "and delete its claimed round" if args.drop else "(its claimed round, if any, goes back)"
     _admin.check_taker(r, args.name, args.taker, ctx.scope)  # (asking about none would mislead)
-    state = _taker_state(_admin.describe(r, args.name, ctx.scope, memory=False), args.taker)
+    info = _admin.describe(r, args.name, ctx.scope, memory=False, scan=False)
+    state = _taker_state(info, args.taker)
     if state.startswith("live") and not args.force:
         raise CliError(
             EXIT_USAGE,

@@ -178,7 +178,8 @@ def render_show(info: _admin.Info, prev: _admin.Info | None = None) -> list[str]
     pending += f", {fmt_bytes(info.bytes)}"
     if info.stranded_claims:
         pending += f"; and {stranded_text(info)}"
-    storage = plural(info.keys, "key") if info.keys is not None else "n/a"
+    # (watch does not count them: a SCAN walks the whole keyspace)
+    storage = plural(info.keys, "key") if info.keys is not None else "keys not counted"
     storage += (
         f", {fmt_bytes(info.memory_bytes)} (MEMORY USAGE)"
         if info.memory_bytes is not None

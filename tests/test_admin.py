@@ -300,6 +300,11 @@ def test_describe_claims_left_behind(make: Callable[..., Any], r: redis.Redis) -
     assert info.count == 0 and info.step == 1
     assert info.stray_keys == 0  # the claim's payload keys are accounted for
     assert info.retry_buffers == 0
+    # without a SCAN (watch, the changing commands): the claim registry names it
+    quick = _admin.describe(r, "crashy", scan=False)
+    (named,) = quick.claims
+    assert (named.key, named.count, named.bytes) == (claim.key, claim.count, claim.bytes)
+    assert quick.keys is None and quick.stray_keys is None
     r.unlink(entry_key_names(r.lrange(claim.key, 1, -1)[0])[0])
     assert _admin.describe(r, "crashy").claims[0].missing_blobs == 1
 
@@ -638,3 +643,37 @@ def test_scripts_missing_from_the_server_cache(make: Callable[..., Any], r: redi
     r.script_flush()
     assert _admin.set_step(r, "flushed", 4) == 0
     assert acc.global_step() == 4 and acc.num_accumulated() == 0
+
+
+def test_watch_spreads_its_scan_over_frames(
+    target: Target, make: Callable[..., Any], r: redis.Redis
+) -> None:
+    """``watch`` lists every accumulator at its first frame (a whole pass), then scans on a
+    bounded time each frame: here none (budget 0: one SCAN call a frame), so a pass over
+    ~6,000 other keys takes several frames; an accumulator created meanwhile is listed once
+    the pass under way meets it, and one deleted drops out of the listing at once."""
+    from accumulator._admin_read import list_found
+    from accumulator._admin_scan import StateScan
+
+    for name in ("a", "b"):
+        make(name)
+    pipe = r.pipeline(transaction=False)
+    for i in range(6000):
+        pipe.set(f"other:{i}", b"x")  # (other slots, on a cluster: every primary's)
+    pipe.execute()
+    scan = StateScan(r, "")
+    listed = lambda found: [i.shared_name for i in list_found(r, found, "")]  # noqa: E731
+    assert listed(scan.keys(0)) == ["a", "b"] and scan.passes == 1
+    make("c")
+    _admin.delete(r, "a")
+    frames = 0
+    while scan.passes == 1:
+        found = scan.keys(0)
+        frames += 1
+        assert "a" not in listed(found)
+    assert frames >= 3  # (a whole SCAN each frame would be one)
+    assert listed(found) == ["b", "c"]
+    pipe = r.pipeline(transaction=False)
+    for i in range(6000):
+        pipe.unlink(f"other:{i}")
+    pipe.execute()

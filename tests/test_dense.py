@@ -94,14 +94,17 @@ def test_private_accumulators_are_unreachable_and_cleaned_up(target):
 
 def test_closing_a_private_accumulator_deletes_every_key_without_a_scan(target):
     """close() finds a private accumulator's keys by what names them (a SCAN walks the
-    whole keyspace: seconds on a Redis shared with millions of keys): a round of large
-    payloads (parts; spread over slots on a cluster; a running sum with the module) claimed
-    by a taker that is gone, a pending round, retry records; nothing is left."""
+    whole keyspace: seconds on a Redis shared with millions of keys): a finished take's
+    record (kept for a retried finish), a round of large payloads (parts; spread over slots on
+    a cluster; a running sum with the module) claimed by a taker that is gone, a pending
+    round, retry records; nothing is left."""
     acc = accumulator.ConditionalAccumulator(np.float32, shape=(3, 1 << 18), client=target.client())
     g = np.ones((3, 1 << 18), np.float32)  # 3 MiB: three parts
-    assert acc.apply_grad(g) and acc.apply_grad(2 * g)
+    assert acc.apply_grad(g) and acc.apply_grad(g)
+    acc.take_grad(2)  # recorded two minutes (a retried finish is answered)
+    assert acc.apply_grad(g, local_step=1) and acc.apply_grad(2 * g, local_step=1)
     assert int(take_script(acc, "12345-abcdef", 2, 60_000)[0]) == 1  # claimed, never read
-    assert acc.apply_grad(g, local_step=1) and acc.apply_grad(g, local_step=1)
+    assert acc.apply_grad(g, local_step=2) and acc.apply_grad(g, local_step=2)
     r = target.redis()
     pattern = acc._keys.family_pattern
     assert len(list(r.scan_iter(match=pattern))) > 10
