@@ -1092,6 +1092,30 @@ def test_cluster_urls_that_cannot_serve_exit_with_a_message(real: Target) -> Non
         assert "no cluster node" in err
 
 
+def test_a_frozen_server_is_unreachable_after_the_connect_timeout_not_the_command_one(
+    own_server: Target, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server that accepts connections and never answers (SIGSTOP: frozen, or a partition)
+    is "cannot connect" (exit 3) once the first PING waited CONNECT_TIMEOUT (twice: one
+    retry), not COMMAND_TIMEOUT (30 s, twice: a minute, before)."""
+    from accumulator import _cli_context
+
+    monkeypatch.setattr(_cli_context, "CONNECT_TIMEOUT", 0.5)
+    assert own_server.server is not None and own_server.url is not None
+    os.kill(own_server.server.pid, signal.SIGSTOP)
+    try:
+        out, err = io.StringIO(), io.StringIO()
+        started = time.monotonic()
+        code = _cli.main(["ls", "--url", own_server.url], stdout=out, stderr=err)
+        elapsed = time.monotonic() - started
+    finally:
+        os.kill(own_server.server.pid, signal.SIGCONT)
+    assert code == 3 and "cannot connect" in err.getvalue()
+    assert elapsed < 10  # (a minute without the probe)
+    # once it answers again, so does the CLI
+    assert _cli.main(["ls", "--url", own_server.url], stdout=io.StringIO(), stderr=err) == 0
+
+
 def test_watch_rides_out_a_server_restart(own_server: Target) -> None:
     # (it ended at the first connection error: a failover at 3 a.m. killed the view)
     server = own_server.server
