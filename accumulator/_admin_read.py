@@ -309,12 +309,9 @@ def describe(
         pipe.lrange(keys.grads, 0, -1)
         pipe.llen(keys.quarantine)
         pipe.hgetall(keys.claims)
-        pipe.zrange(keys.finished, 0, -1)
 
     replies = atomically(r, queue)  # one consistent snapshot of the fixed keys
-    now_reply, state, ranked, taker_info, entries, quarantined, registry, finished = clocks[-1](
-        replies
-    )
+    now_reply, state, ranked, taker_info, entries, quarantined, registry = clocks[-1](replies)
     if not state:
         raise _not_found(shared_name, container)
     now = _server_ms(now_reply)
@@ -329,7 +326,7 @@ def describe(
     claim_head = _key_bytes(keys.claim(""))
     dedup_head = _key_bytes(keys.dedup(""))
     named = {_key_bytes(k) for k in named_claims(
-        keys, registry or {}, finished or [], taker_info or {}, [m for m, _ in ranked or []]
+        keys, registry or {}, taker_info or {}, [m for m, _ in ranked or []]
     )}  # fmt: skip
     found = (_scan(r, keys.pattern) if scan else set()) | {_key_bytes(keys.state)}
     found |= {

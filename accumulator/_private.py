@@ -3,12 +3,11 @@
 A SCAN walks the whole keyspace: on a Redis shared with three million other keys it made every
 ``close()`` of a private accumulator take ~3 s (and as much of the server's time). Everything a
 private accumulator holds is named by its fixed keys instead: the round's payloads by the
-entries of ``:g``, the claimed rounds by the claim registry, the finished takes and the
-takers' records, their
-payloads by the claims' entries, spread parts by ``:o``, retry records by the client ids of
-the object that closes it. What none of them names (a payload whose apply was cut short
-before its script ran; the retry records of another object given the accumulator's ref by
-hand) carries an expiry and goes with it (an hour, ten minutes at most).
+entries of ``:g``, the claimed rounds by the claim registry and the takers' records (FIFO and
+leases), their payloads by the claims' entries, spread parts by ``:o``, retry records by the
+client ids of the object that closes it. What none of them names (a payload whose apply was
+cut short before its script ran; the retry records of another object given the
+accumulator's ref by hand) carries an expiry and goes with it (an hour, ten minutes at most).
 
 :func:`delete_ops` is the plan (sans-I/O: a generator of :class:`Batch` requests); the sync
 and asyncio ``close()`` run it with :func:`run` and its awaited twin in ``aio/_core.py``.
@@ -42,12 +41,12 @@ def delete_ops(keys: Keys, client_ids: Iterable[str]) -> Ops[int]:
     """Delete a private accumulator's keys; returns how many existed. Three round trips: read
     what names the others, read the claimed rounds, unlink (a few hundred keys a command)."""
     what = "close"
-    entries, orphans, claims, finished, info, waiting = yield Batch(what, [
+    entries, orphans, claims, info, waiting = yield Batch(what, [
         ("LRANGE", keys.grads, 0, -1), ("ZRANGE", keys.orphans, 0, -1),
-        ("HGETALL", keys.claims), ("ZRANGE", keys.finished, 0, -1),
-        ("HGETALL", keys.taker_info), ("ZRANGE", keys.takers, 0, -1),
+        ("HGETALL", keys.claims), ("HGETALL", keys.taker_info), ("ZRANGE", keys.takers, 0, -1),
     ])  # fmt: skip
-    claim_keys = named_claims(keys, _fields(claims), finished, _fields(info), waiting)
+    # (a finished take's claim is gone: lua/finish.lua unlinks it)
+    claim_keys = named_claims(keys, _fields(claims), _fields(info), waiting)
     claimed: list[Any] = []
     if claim_keys:
         for round_ in (yield Batch(what, [("LRANGE", c, 1, -1) for c in claim_keys])):
@@ -73,8 +72,8 @@ def _fields(flat: Any) -> list[Any]:
 
 
 def named_claims(keys: Keys, *taker_lists: Iterable[Any]) -> list[str]:
-    """The claim keys of the takers the registries name (the claim registry, the finished
-    takes, the takers' records and FIFO), sorted; read back from Redis, a member that is not
+    """The claim keys of the takers the registries name (the claim registry, the takers'
+    records and FIFO), sorted; read back from Redis, a member that is not
     a taker id as the library makes them names nothing."""
     takers = {t for ids in taker_lists for t in ids if isinstance(t, bytes) and _TAKER_ID.match(t)}
     return [keys.claim(t.decode()) for t in sorted(takers)]
