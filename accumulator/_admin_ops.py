@@ -158,13 +158,10 @@ def _delete_named(r: redis.Redis, keys: Keys) -> int:
     payloads registered or dropped. The state goes first, atomically with reading the round:
     from then on every script answers NOTFOUND, so nothing new is added while the rest is
     found and removed."""
-    fixed = [keys.state, keys.grads, keys.takers, keys.taker_info, keys.wake, keys.queue_wake,
-             keys.quarantine, keys.claims, keys.finished, keys.orphans]  # fmt: skip
-
     def queue(pipe: Any) -> None:
         pipe.lrange(keys.grads, 0, -1)
         pipe.zrange(keys.orphans, 0, -1)
-        pipe.unlink(*fixed)
+        pipe.unlink(*keys.fixed)
 
     entries, orphans, removed = atomically(r, queue)
     # spread payloads not in the round: registered, dropped, taken (their parts elsewhere)

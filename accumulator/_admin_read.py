@@ -316,13 +316,7 @@ def describe(
         raise _not_found(shared_name, container)
     now = _server_ms(now_reply)
 
-    fixed = {
-        _key_bytes(k)
-        for k in (
-            keys.state, keys.grads, keys.takers, keys.taker_info, keys.wake, keys.queue_wake,
-            keys.quarantine, keys.claims, keys.finished, keys.orphans,
-        )
-    }  # fmt: skip
+    fixed = {_key_bytes(k) for k in keys.fixed}
     claim_head = _key_bytes(keys.claim(""))
     dedup_head = _key_bytes(keys.dedup(""))
     named = {_key_bytes(k) for k in named_claims(

@@ -254,21 +254,22 @@ class Context:
             raise CliError(
                 EXIT_USAGE, f"invalid --url {esc(redact_url(self.url), quote=True)}: {exc}", "usage"
             ) from exc
-        self._probe(pool)
         client = redis.Redis(connection_pool=pool)
         client.auto_close_connection_pool = True  # close() ends the pool's connections too
-        client.ping()  # errors are mapped by main()
+        if not self._probe(pool):
+            client.ping()  # errors are mapped by main()
         self._client = client
         self._note_cluster_node(client)
         return client
 
-    def _probe(self, pool: redis.ConnectionPool) -> None:
+    def _probe(self, pool: redis.ConnectionPool) -> bool:
         """PING on a connection of its own that waits :data:`CONNECT_TIMEOUT` for the reply,
         not the :data:`COMMAND_TIMEOUT` a command gets (a frozen server, or one that accepts
         connections and never answers, is "cannot connect" within seconds, not a minute).
-        A URL that sets ``socket_timeout`` keeps it. Errors are mapped by ``main()``."""
+        Returns whether it pinged: a URL that sets ``socket_timeout`` keeps it, and the
+        caller pings with it. Errors are mapped by ``main()``."""
         if "socket_timeout" in parse_url(self.url):
-            return
+            return False
         kwargs = {**pool.connection_kwargs, "socket_timeout": CONNECT_TIMEOUT}
         probe = redis.Redis(connection_pool=redis.ConnectionPool(
             connection_class=pool.connection_class, **kwargs
@@ -278,6 +279,7 @@ class Context:
         finally:
             probe.close()
             probe.connection_pool.disconnect()
+        return True
 
     def _note_cluster_node(self, client: redis.Redis) -> None:
         """A plain URL of a cluster node reaches that node alone: say so once (its commands

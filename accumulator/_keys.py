@@ -185,6 +185,13 @@ class Keys:
         return self.base + ":o"
 
     @cached_property
+    def fixed(self) -> tuple[str, ...]:
+        """The keys with fixed names (and the wake-up channel's name), the state first: a
+        delete that unlinks it first has every script answer NOTFOUND from then on."""
+        return (self.state, self.grads, self.takers, self.taker_info, self.wake,
+                self.queue_wake, self.quarantine, self.claims, self.finished, self.orphans)
+
+    @cached_property
     def spread_head(self) -> bytes:
         """How every spread part's key begins: the tag's inner text, then ``%p`` (escaped
         names never hold ``%`` before a non-hex digit, so no accumulator's own tag can equal

@@ -30,13 +30,6 @@ _TAKER_ID = re.compile(rb"[0-9]+-[0-9a-f]+\Z")
 _UNLINK_BATCH = 500
 
 
-def fixed_keys(keys: Keys) -> list[str]:
-    """The keys of an accumulator with fixed names, its state first (deleted first, every
-    script answers NOTFOUND from then on)."""
-    return [keys.state, keys.grads, keys.takers, keys.taker_info, keys.wake, keys.quarantine,
-            keys.claims, keys.finished, keys.orphans]  # fmt: skip
-
-
 def delete_ops(keys: Keys, client_ids: Iterable[str]) -> Ops[int]:
     """Delete a private accumulator's keys; returns how many existed. Three round trips: read
     what names the others, read the claimed rounds, unlink (a few hundred keys a command)."""
@@ -46,14 +39,14 @@ def delete_ops(keys: Keys, client_ids: Iterable[str]) -> Ops[int]:
         ("HGETALL", keys.claims), ("HGETALL", keys.taker_info), ("ZRANGE", keys.takers, 0, -1),
     ])  # fmt: skip
     # (a finished take's claim is gone: lua/finish.lua unlinks it)
-    claim_keys = named_claims(keys, _fields(claims), _fields(info), waiting)
+    claim_keys = named_claims(keys, claims or {}, info or {}, waiting)
     claimed: list[Any] = []
     if claim_keys:
         for round_ in (yield Batch(what, [("LRANGE", c, 1, -1) for c in claim_keys])):
             claimed += round_
     named = [e for e in [*entries, *claimed] if isinstance(e, bytes)]
     registered = [m for m in orphans if isinstance(m, bytes)]
-    doomed: list[str | bytes] = [*fixed_keys(keys), *claim_keys]
+    doomed: list[str | bytes] = [*keys.fixed, *claim_keys]
     doomed += [keys.dedup(cid) for cid in client_ids]
     doomed += [*keys.payload_keys(named), *keys.orphan_parts(registered)]
     removed = 0
@@ -64,17 +57,10 @@ def delete_ops(keys: Keys, client_ids: Iterable[str]) -> Ops[int]:
     return removed
 
 
-def _fields(flat: Any) -> list[Any]:
-    """The field names of an ``HGETALL`` reply (a dict, or a flat list under RESP2 raw)."""
-    if isinstance(flat, dict):
-        return list(flat)
-    return list(flat[::2]) if isinstance(flat, list) else []
-
-
 def named_claims(keys: Keys, *taker_lists: Iterable[Any]) -> list[str]:
-    """The claim keys of the takers the registries name (the claim registry, the takers'
-    records and FIFO), sorted; read back from Redis, a member that is not
-    a taker id as the library makes them names nothing."""
+    """The claim keys of the takers the registries name (the claim registry's and the
+    takers' records' fields, the FIFO's members), sorted; read back from Redis, anything
+    that is not a taker id as the library makes them names nothing."""
     takers = {t for ids in taker_lists for t in ids if isinstance(t, bytes) and _TAKER_ID.match(t)}
     return [keys.claim(t.decode()) for t in sorted(takers)]
 
