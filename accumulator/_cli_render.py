@@ -97,7 +97,8 @@ def stranded_text(info: _admin.Info) -> str:
     """What the rounds claimed by takers that are gone hold, and what becomes of them."""
     return (f"{plural(info.stranded_grads, 'gradient')} in "
             f"{plural(info.stranded_claims, 'round')} claimed by a taker that is gone (not in "
-            "COUNT; the next take takes it over; `reset` drops it)")  # fmt: skip
+            "COUNT; the next take requiring no more gradients takes it over; `reset` drops "
+            "it)")  # fmt: skip
 
 
 def render_ls(
@@ -273,7 +274,8 @@ def render_show(info: _admin.Info, prev: _admin.Info | None = None) -> list[str]
                 if c.lease_remaining_ms is None:
                     lease = "none (evict it to give it back)"
                 elif c.lease_remaining_ms < 0:
-                    lease = f"ran out {fmt_ms(-c.lease_remaining_ms)} ago: the next take gets it"
+                    lease = (f"ran out {fmt_ms(-c.lease_remaining_ms)} ago: the next take "
+                             f"of {c.count} or fewer gets it")
                 else:
                     lease = f"{fmt_ms(c.lease_remaining_ms)} left (being read)"
                 rows.append([c.taker_id, step, str(c.count), held, lease, c.key])

@@ -18,6 +18,7 @@ import uuid
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from numbers import Real
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -256,14 +257,33 @@ class AccumulatorModel:
     #: Tuning knobs, per object so that tests (and unusual deployments) can shorten them.
     wait_slice: float = WAIT_SLICE
     taker_lease: float = TAKER_LEASE_SECONDS
-    #: Seconds (plus CLAIM_LEASE_MS_PER_MIB per MiB) a claimed round stays this taker's while
-    #: it reads and reduces it; past that, if another taker comes, the round is handed over.
-    claim_lease: float | None = None  # None: CLAIM_LEASE_MS
+    _claim_lease: float | None = None  # None: CLAIM_LEASE_MS
     #: Seconds an operation rides through an unreachable Redis (a restart, a failover, killed
     #: connections) before raising :class:`UnavailableError`; retried applies count once.
     retry_window: float = _retry.RETRY_WINDOW
     #: Seconds an apply (or a take's finish) waits for ``min_replicas``/``wait_aof``.
     durability_timeout: float = 5.0
+
+    @property
+    def claim_lease(self) -> float | None:
+        """Seconds (plus 50 ms per MiB of the round) a round this object's take claimed stays
+        its own while it reads and reduces it, renewed as it reads; past that, if another
+        taker comes, the round is handed over. None: the default (5 s)."""
+        return self._claim_lease
+
+    @claim_lease.setter
+    def claim_lease(self, seconds: float | None) -> None:
+        if seconds is not None:
+            if isinstance(seconds, (bool, np.bool_)) or not isinstance(seconds, Real):
+                raise InvalidArgumentError(
+                    f"claim_lease must be a number of seconds or None, got {seconds!r}"
+                )
+            if not 0 <= float(seconds) <= 86400:
+                raise InvalidArgumentError(
+                    f"claim_lease must be between 0 and 86400 seconds, got {seconds!r}"
+                )
+            seconds = float(seconds)
+        self._claim_lease = seconds
 
     def _setup(
         self,

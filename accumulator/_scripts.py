@@ -39,7 +39,7 @@ logger = logging.getLogger("accumulator")
 #: sync helper's own (``sync_lease``, ``sync_count``: keys of ``accumulator.sync``, not an
 #: accumulator's) are called by name too and loaded on first use (NOSCRIPT).
 NAMES = ("open", "apply", "withdraw", "fold", "take", "finish", "leave", "set_step", "reset",
-         "orphans", "seal")
+         "orphans", "seal", "renew")
 ERROR_PREFIX = "ACCERR "
 
 

@@ -9,6 +9,7 @@ read them part by part.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeAlias, cast
 
@@ -16,7 +17,7 @@ import redis
 
 from . import _chunks
 from ._errors import AccumulatorError
-from ._requests import Batch, Ops, Receive, ReceiveAll
+from ._requests import Batch, Call, Ops, Receive, ReceiveAll
 from ._wire import get_into
 
 #: A gradient's payload as a claim names it: the bytes (inline) or its part keys in order,
@@ -27,16 +28,44 @@ Source: TypeAlias = bytes | list[bytes | None]
 WHAT = "take_grad (reading)"
 
 
+class Renewal:
+    """The renewal of a claim's lease while its round is read (``lua/renew.lua``): made
+    between two windows of the read once ``every`` seconds have passed since the claim or
+    the last renewal, so a reader that keeps making progress keeps its round however slow
+    its link, and a fast one never pays for it."""
+
+    def __init__(self, call: Call, every: float) -> None:
+        self.call = call
+        self.every = every
+        self._since = time.monotonic()
+
+    def __call__(self, claim_key: str) -> Ops[None]:
+        """Renew if due; raises when the claim is no longer this taker's."""
+        now = time.monotonic()
+        if now - self._since < self.every:
+            return
+        if not int((yield self.call)):
+            raise AccumulatorError(f"claim {claim_key} is no longer this taker's")
+        self._since = now
+
+
 class ClaimReader:
     """Reads the payloads of one claimed round (sans-I/O: its methods are protocol steps,
-    generators of ``_requests``; reads are idempotent, so the drivers retry them)."""
+    generators of ``_requests``; reads are idempotent, so the drivers retry them).
+    ``renewal``: renews the claim's lease between windows (None: never)."""
 
     def __init__(
-        self, sources: Sequence[Source], claim_key: str, sent_keys: Sequence[bytes] = ()
-    ) -> None:
+        self, sources: Sequence[Source], claim_key: str, sent_keys: Sequence[bytes] = (),
+        renewal: Renewal | None = None,
+    ) -> None:  # fmt: skip
         self.sources = list(sources)
         self._claim_key = claim_key
         self._sent_keys = list(sent_keys)  # of payloads that came with the claim (as bytes)
+        self._renewal = renewal
+
+    def _renew(self) -> Ops[None]:
+        if self._renewal is not None:
+            yield from self._renewal(self._claim_key)
 
     @property
     def keys(self) -> list[bytes]:
@@ -123,6 +152,7 @@ class ClaimReader:
                     else:
                         outs.append(buffer[pos : pos + stop - start])
                         pos += stop - start
+            yield from self._renew()
             fetched = iter((yield from self._fetch(requests, outs)) if requests else ())
             for j in window:
                 start, stop = ranges[j]
@@ -156,6 +186,7 @@ class ClaimReader:
         pos, direct = 0, into is not None
         # the lengths are the take script's to check: parts of a sparse payload
         for window in _chunks.windows(len(wanted), 1):
+            yield from self._renew()
             batch = [wanted[j] for j in window]
             keys = [key for _, key in batch]
             lengths = None

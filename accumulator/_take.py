@@ -35,7 +35,7 @@ from ._errors import (
 from ._keys import SCHEMA_VERSION, Keys
 from ._model import AccumulatorModel
 from ._requests import Batch, Call, Command, Listen, Ops, Pop, Subscribe, Unsubscribe
-from ._stream import ClaimReader, Source
+from ._stream import ClaimReader, Renewal, Source
 
 logger = logging.getLogger("accumulator")
 
@@ -192,7 +192,8 @@ def take(
             elif not (yield Listen(queue, max(wait, 0.001), until=deadline)):
                 yield Unsubscribe(queue)
                 queue = None
-        claim = read_claim(acc, entries, claim_key, reply[4] if len(reply) > 4 else None)
+        claim = read_claim(acc, entries, claim_key, reply[4] if len(reply) > 4 else None,
+                           renewal=_renewal(acc, taker, entries))  # fmt: skip
         try:
             result = yield from decode(claim)  # reads the payloads as it goes
         except AccumulatorError as exc:
@@ -372,14 +373,22 @@ def _timeout_message(acc: AccumulatorModel, n: int, timeout: float) -> Ops[str]:
     where = repr(acc._shared_name)
     if acc._container:
         where += f" in container {acc._container!r}"
+    claimed = ""
     try:
         count, step = yield Command("take_grad", ("HMGET", acc._keys.state, "count", "step"))
         have = f"{int(count or 0)} of {n} gradients at global step {int(step or 0)}"
+        leases = yield Command("take_grad", ("HGETALL", acc._keys.claims))
+        if leases:  # rounds other takers claimed and have not finished
+            claimed = (
+                f"; {len(leases)} round(s) claimed by other takers are not finished (a "
+                "round whose taker's lease runs out goes to the next take requiring no more "
+                "gradients than it holds; see `accumulator show`)"
+            )
     except Exception:  # noqa: BLE001 - the message must not fail
         have = f"fewer than {n} gradients"
     return (
         f"Timed out waiting for notification: take_grad({n}) on accumulator {where} had "
-        f"{have} after {round(timeout, 3):g}s"
+        f"{have} after {round(timeout, 3):g}s{claimed}"
     )
 
 
@@ -392,7 +401,7 @@ def take_script_args(
     k = acc._keys
     keys = [k.state, k.grads, k.takers, k.taker_info, k.claim(taker), k.wake, k.queue_wake,
             k.quarantine, k.claims, k.orphans]  # fmt: skip
-    claim_ms = _model.CLAIM_LEASE_MS if acc.claim_lease is None else int(acc.claim_lease * 1000)
+    claim_ms = _claim_ms(acc)
     args = [acc._schema, taker, n, lease_ms, "s" if acc._kind == "sparse" else "d",
             acc.dtype.itemsize, claim_ms, _model.CLAIM_LEASE_MS_PER_MIB, acc._instance,
             len(checked or ())]  # fmt: skip
@@ -401,11 +410,29 @@ def take_script_args(
     return keys, args
 
 
+def _claim_ms(acc: AccumulatorModel) -> int:
+    """The base of a claim's lease, in ms (``claim_lease``, or the default)."""
+    return _model.CLAIM_LEASE_MS if acc.claim_lease is None else int(acc.claim_lease * 1000)
+
+
+def _renewal(acc: AccumulatorModel, taker: str, entries: list[bytes]) -> Renewal:
+    """The renewal of a claim's lease (``lua/renew.lua``) while its round is read: due after
+    half the lease's base, each renewal leasing the claim again as long as at its claim."""
+    k = acc._keys
+    _, _, nbytes, _ = _parse_header(entries[0])
+    claim_ms = _claim_ms(acc)
+    call = Call("take_grad (renewing the claim)", "renew", [k.state, k.claim(taker), k.claims],
+                [taker, claim_ms, _model.CLAIM_LEASE_MS_PER_MIB, nbytes, len(entries) - 1])
+    return Renewal(call, claim_ms / 2000)
+
+
 def read_claim(
-    acc: AccumulatorModel, entries: list[bytes], claim_key: str, payloads: list[Any] | None = None
+    acc: AccumulatorModel, entries: list[bytes], claim_key: str, payloads: list[Any] | None = None,
+    renewal: Renewal | None = None,
 ) -> Claim:
     """The claimed round (its payloads are read on demand, in chunks). ``payloads``: those
-    the take script sent along (``payloads[i]`` is entry ``i``'s, or None): not read again."""
+    the take script sent along (``payloads[i]`` is entry ``i``'s, or None): not read again.
+    ``renewal``: renews the claim's lease while it is read."""
     step, count, nbytes, round_shape = _parse_header(entries[0])
     sources: list[Source] = []
     sent_keys: list[bytes] = []  # the keys of payloads that came with the claim
@@ -422,4 +449,5 @@ def read_claim(
         else:  # a gradient being folded into the sum holds its parts from k on
             sources.append([None] * acc._keys.entry_first_part(entry) + list(keys))
     # count (the header's) is the number of gradients: a sum kept in Redis holds several
-    return Claim(step, count, round_shape, nbytes, ClaimReader(sources, claim_key, sent_keys))
+    reader = ClaimReader(sources, claim_key, sent_keys, renewal)
+    return Claim(step, count, round_shape, nbytes, reader)

@@ -207,6 +207,16 @@ local function n_parts(nbytes)
   return math.ceil(nbytes / CHUNK)
 end
 
+-- A claim's lease, in ms from now: the base (take's ARGV), plus time per MiB (reading) and per
+-- entry (merging: a sparse round of 300,000 one-row gradients is 7 MB but took 7-8 s to merge,
+-- past a lease sized by bytes alone, and two takers took it from each other forever: sparse
+-- review). take.lua sets it at the claim, renew.lua again while the taker reads.
+local LEASE_MS_PER_ENTRY = 0.2
+local function claim_lease_ms(base_ms, per_mib, nbytes, entries)
+  return tonumber(base_ms) + math.floor(tonumber(nbytes) / 1048576 * tonumber(per_mib)
+    + entries * LEASE_MS_PER_ENTRY)
+end
+
 -- How long a finished take is remembered (finish.lua), to answer a retried finish.
 local FINISH_MEMORY_MS = 120000
 local MAX_PARTS = 1048576

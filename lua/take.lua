@@ -21,8 +21,9 @@
 --
 -- Every claim is registered with a lease until its taker has read and
 -- reduced it (finish.lua) or given it back (leave.lua). A claim whose lease ran out belongs to
--- a taker that is gone: the next taker at the head of the FIFO takes it over before anything
--- else, so no accepted gradient is lost with a crashed chief.
+-- a taker that is gone: the next taker at the head of the FIFO that requires no more gradients
+-- than it holds takes it over before anything else, so no accepted gradient is lost with a
+-- crashed chief.
 --
 -- Before the claim every entry is checked: an inline payload or an existing payload key of
 -- this accumulator, of the length the round shape and dtype give. Anything else (a foreign key
@@ -54,7 +55,7 @@ err = check_acl({'UNLINK', claim, 'UNLINK', some_blob, 'HSET', state,
   'LPUSH', claim, 'PEXPIRE', claim, 'PERSIST', claim, 'DEL', KEYS[6],
   'PUBLISH', KEYS[7], 'RPUSH', KEYS[8], 'LSET', grads, 'LREM', grads,
   'MGET', some_blob, 'PEXPIRE', some_blob, 'PERSIST', some_blob, 'STRLEN', some_blob,
-  'HSET', KEYS[9], 'HDEL', KEYS[9], 'HGETALL', KEYS[9], 'EXISTS', claim,
+  'HSET', KEYS[9], 'HDEL', KEYS[9], 'HGETALL', KEYS[9], 'EXISTS', claim, 'LINDEX', claim,
   'RENAME', claim, 'LRANGE', grads, 'ZCARD', takers, 'ZRANGE', takers,
   'ZSCORE', takers, 'HGET', info_key, 'HGET', state, 'TIME', false, 'ZADD', KEYS[10],
   'PEXPIRE', takers, 'PEXPIRE', info_key, 'PEXPIRE', KEYS[8], 'PEXPIRE', KEYS[9],
@@ -135,13 +136,8 @@ if queued then
   queued = head ~= nil and head ~= me
 end
 
--- The claim's lease: the base, plus time per MiB (reading) and per entry (merging: a sparse
--- round of 300,000 one-row gradients is 7 MB but took 7-8 s to merge, past a lease sized by
--- bytes alone, and two takers took it from each other forever: sparse review).
-local LEASE_MS_PER_ENTRY = 0.2
 local function claim_lease(nbytes, entries)
-  return int_str(now + tonumber(ARGV[7]) + math.floor(tonumber(nbytes) / 1048576 * tonumber(ARGV[8])
-    + entries * LEASE_MS_PER_ENTRY))
+  return int_str(now + claim_lease_ms(ARGV[7], ARGV[8], nbytes, entries))
 end
 
 local function leave_fifo()
@@ -163,7 +159,10 @@ if not queued and redis.call('EXISTS', KEYS[9]) == 1 then
     if not expiry or not is_own(base, dead, 'c') or redis.call('EXISTS', dead) == 0 then
       -- given back meanwhile, not ours to follow, or a 'done' mark of an older client
       redis.call('HDEL', KEYS[9], other)
-    elseif expiry <= now then
+    elseif expiry <= now and tonumber(string.match(redis.call('LINDEX', dead, '0') or '',
+        '^%-?%d+ (%d+) ') or '0') >= n then
+      -- (a round of fewer gradients than this take requires waits for one that asks fewer,
+      -- or a reset: num_required holds for a round taken over too)
       redis.call('HDEL', KEYS[9], other)
       redis.call('RENAME', dead, claim)
       local entries = redis.call('LRANGE', claim, '0', '-1')

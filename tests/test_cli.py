@@ -424,7 +424,8 @@ def test_reset_and_set_step_name_the_rounds_of_takers_that_are_gone(
     # ls, show and watch say where those gradients are (COUNT 0 read as "consumed")
     text = ok(cli("ls", "--url", real.url))
     assert ("note: 'gone': 2 gradients in 1 round claimed by a taker that is gone (not in "
-            "COUNT; the next take takes it over; `reset` drops it)") in text  # fmt: skip
+            "COUNT; the next take requiring no more gradients takes it over; `reset` drops "
+            "it)") in text  # fmt: skip
     data = json.loads(ok(cli("ls", "--json", "--url", real.url)))
     (entry,) = [e for e in data["accumulators"] if e["shared_name"] == "gone"]
     assert (entry["count"], entry["stranded_claims"], entry["stranded_grads"]) == (0, 1, 2)

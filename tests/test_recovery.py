@@ -189,7 +189,7 @@ def test_show_lists_a_dead_takers_claim_with_its_lease(real):
     assert _cli.main(["--url", real.url, "show", "r"], stdout=out, stderr=err) == 0
     text = out.getvalue()
     assert "claimed rounds (taken, not finished yet)" in text
-    assert "5-dead" in text and "the next take gets it" in text
+    assert "5-dead" in text and "the next take of 1 or fewer gets it" in text
     (claim,) = accumulator._admin.describe(real.redis(), "r").claims
     assert claim.lease_remaining_ms is not None and claim.lease_remaining_ms <= 0
 
@@ -218,3 +218,77 @@ def test_a_live_taker_evicted_while_it_reads_says_so(target, monkeypatch):
     monkeypatch.undo()
     assert (acc.global_step(), acc.num_accumulated()) == (0, 1)
     np.testing.assert_array_equal(acc.take_grad(1, timeout=5), np.ones((64, 1024)))
+
+
+def test_a_slow_reader_keeps_its_round_while_another_taker_waits(target, monkeypatch):
+    """A taker reading a big round slower than its claim lease allows renews the lease
+    between windows: a second taker waiting meanwhile does not take the round over. (Two
+    takers behind a slow link took one round from each other forever: big-round review.)"""
+    from accumulator import _chunks
+
+    shape = (1024, 1024)  # 4 MiB: 5 parts, read a part per window below
+    reader, other = make(target, shape=shape), make(target, shape=shape)
+    for acc in (reader, other):
+        acc.claim_lease = 0.3  # lease 0.3 s + 0.4 s for 8 MiB; the read takes ~1.5 s
+        acc.wait_slice = 0.05
+    reader.apply_grad(np.ones(shape))
+    reader.apply_grad(np.full(shape, 3.0))
+    windows = _chunks.windows
+    monkeypatch.setattr(_chunks, "windows", lambda parts, sources: windows(parts, sources, 1))
+    do = reader._do
+    renewals = []
+
+    def slow(request):
+        if "reading" in getattr(request, "what", ""):
+            if not waiting.is_alive() and not outcome:  # claimed: the other comes now
+                waiting.start()
+            time.sleep(0.3)
+        if getattr(request, "name", "") == "renew":
+            renewals.append(request)
+        return do(request)
+
+    monkeypatch.setattr(reader, "_do", slow)
+    outcome = []
+
+    def wait_for_a_round():
+        try:
+            outcome.append(other.take_grad(1, timeout=3))
+        except accumulator.DeadlineExceededError as exc:
+            outcome.append(exc)
+
+    waiting = threading.Thread(target=wait_for_a_round)
+    try:
+        np.testing.assert_array_equal(reader.take_grad(2, timeout=5), np.full(shape, 2.0))
+    finally:
+        waiting.join()
+    assert isinstance(outcome[0], accumulator.DeadlineExceededError), outcome
+    assert len(renewals) >= 3
+    assert reader.global_step() == 1
+    assert int(target.redis().hget(reader._keys.state, "n_adopted") or 0) == 0
+
+
+def test_a_take_takes_over_a_gone_takers_round_only_if_it_holds_num_required(target):
+    """take_grad(n) never returns fewer than n gradients, a round taken over included: a
+    gone taker's round of 2 waits for a take requiring at most 2 (a take(4) returned it:
+    big-round review). The take(4) that times out says a claimed round is not finished."""
+    acc = make(target)
+    acc.apply_grad(np.ones(SHAPE))
+    acc.apply_grad(np.full(SHAPE, 3.0))
+    _abandoned_take(acc, "6-dead", 2, taker_lease_ms=60_000, claim_lease_ms=0)
+    with pytest.raises(accumulator.DeadlineExceededError) as err:
+        acc.take_grad(4, timeout=0.2)
+    assert "0 of 4 gradients at global step 1" in str(err.value)
+    assert "1 round(s) claimed by other takers are not finished" in str(err.value)
+    np.testing.assert_array_equal(acc.take_grad(2, timeout=5), np.full(SHAPE, 2.0))
+    assert acc.global_step() == 1  # advanced by the gone take, not again
+
+
+@pytest.mark.parametrize("bad", [float("nan"), -1, 1e9, "5", True])
+def test_claim_lease_is_checked_when_set(target, bad):
+    acc = make(target)
+    with pytest.raises(accumulator.InvalidArgumentError, match="claim_lease must be"):
+        acc.claim_lease = bad
+    acc.claim_lease = 2
+    assert acc.claim_lease == 2.0
+    acc.claim_lease = None
+    assert acc.claim_lease is None
