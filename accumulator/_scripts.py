@@ -274,11 +274,13 @@ def translate(exc: Exception, state_key: str | bytes | None = None) -> Exception
             # was written yet)
             return permission_denied(text.split(" script: ")[0])
         if isinstance(exc, OutOfMemoryError) or text.startswith("OOM"):
-            return ResourceExhaustedError(
+            full = ResourceExhaustedError(
                 f"Redis is out of memory (maxmemory): {text.split(' script: ')[0]} Nothing was "
                 "changed: free memory or raise maxmemory (at the limit every write fails, "
-                "takes and opening an accumulator included)"
+                "opening an accumulator included; a waiting take waits on)"
             )
+            full.reason = "OOM"  # (a take waits it out: _take.take)
+            return full
         return exc
     words = text[idx + len(ERROR_PREFIX) :].split()
     what = words[0] if words else ""

@@ -30,6 +30,7 @@ from ._errors import (
     DeadlineExceededError,
     InvalidArgumentError,
     NotFoundError,
+    ResourceExhaustedError,
     UnavailableError,
 )
 from ._keys import SCHEMA_VERSION, Keys
@@ -136,6 +137,7 @@ def take(
     deadline = None if seconds is None else time.monotonic() + seconds
     queue: Any = None  # a subscription, while queued behind another taker
     reply: Any = None  # the take script's, when the driver made it right after a wait
+    full = ""  # Redis refused the take script at maxmemory (what it said), while waiting
     try:
         while True:
             # (a round claimed right after a wait is given back by the cleanup below)
@@ -144,7 +146,22 @@ def take(
             if cancel is not None and cancel.is_set():
                 raise CancelledError("take_grad was cancelled (its cancel event is set)")
             if reply is None:
-                reply = yield take_call
+                try:
+                    reply = yield take_call
+                except ResourceExhaustedError as exc:
+                    if exc.reason != "OOM":
+                        raise
+                    # Redis at maxmemory (briefly, often: a large apply's parts refused): a
+                    # take waits it out, as it waits for gradients; nothing was changed
+                    full = full or _at_maxmemory(acc, exc)
+                    wait = acc.wait_slice
+                    if deadline is not None:
+                        wait = min(wait, deadline - time.monotonic())
+                        if wait <= 0:
+                            message = yield from _timeout_message(acc, n, seconds or 0.0)
+                            raise DeadlineExceededError(f"{message}; {full}") from exc
+                    yield Pop(k.wake, max(wait, 0.001), until=deadline)
+                    continue
             if int(reply[0]) == 2:  # spread entries to check before the script may claim
                 checked.update((yield from _check_spread(acc, reply[1])))
                 take_call = Call("take_grad", "take",
@@ -184,7 +201,12 @@ def take(
                 if queue is not None:
                     yield Unsubscribe(queue)
                     queue = None
-                reply = yield Pop(k.wake, max(wait, 0.001), then=take_call, until=deadline)
+                try:
+                    reply = yield Pop(k.wake, max(wait, 0.001), then=take_call, until=deadline)
+                except ResourceExhaustedError as exc:
+                    if exc.reason != "OOM":
+                        raise
+                    full = full or _at_maxmemory(acc, exc)  # (the call again, at the top)
             elif queue is None:
                 # Queued: a head change is broadcast. Subscribe, then re-check at once,
                 # so that a change between the check and the subscription is not missed.
@@ -212,6 +234,14 @@ def take(
         if queue is not None:
             yield Unsubscribe(queue)
     return result
+
+
+def _at_maxmemory(acc: AccumulatorModel, exc: ResourceExhaustedError) -> str:
+    """Log that a take waits for Redis to be under maxmemory again; what to add to its
+    timeout's message."""
+    logger.warning("take_grad on %r: Redis is out of memory (maxmemory): the take cannot "
+                   "wait in line or claim; it waits on (%s)", acc._shared_name, exc)  # fmt: skip
+    return "Redis was out of memory (maxmemory) meanwhile"
 
 
 def _check_spread(acc: AccumulatorModel, entries: list[bytes]) -> Ops[dict[bytes, bytes]]:

@@ -301,6 +301,41 @@ def test_an_apply_refused_at_maxmemory_half_way_leaves_none_of_its_parts(real):
     np.testing.assert_array_equal(acc.take_grad(1, timeout=5), np.ones(shape))
 
 
+def test_a_waiting_take_waits_out_maxmemory(real, caplog):
+    """Redis over maxmemory for a while (say a large apply's parts, refused) while a take
+    waits: it waits on and takes the round once memory is free again (it raised
+    ResourceExhaustedError: big-round review); timing out meanwhile, it says why."""
+    r = real.redis()
+    acc = make(real)
+    acc.wait_slice = 0.05
+    acc.apply_grad(np.ones(SMALL))
+    on: dict[str, Any] = {}
+    if real.kind == "cluster":
+        on["target_nodes"] = r.get_node_from_key(acc._keys.state)
+    out: list[Any] = []
+
+    def take() -> None:
+        try:
+            out.append(acc.take_grad(2, timeout=10))
+        except Exception as exc:  # noqa: BLE001 - the test reports it
+            out.append(exc)
+
+    waiting = threading.Thread(target=take)
+    r.config_set("maxmemory", 1, **on)
+    try:
+        with pytest.raises(accumulator.DeadlineExceededError, match="out of memory"):
+            acc.take_grad(2, timeout=0.3)
+        waiting.start()
+        time.sleep(0.5)
+    finally:
+        r.config_set("maxmemory", 0, **on)
+    make(real).apply_grad(np.full(SMALL, 3.0))
+    waiting.join()
+    assert not isinstance(out[0], Exception), out
+    np.testing.assert_array_equal(out[0], np.full(SMALL, 2.0))
+    assert "Redis is out of memory (maxmemory): the take cannot wait in line" in caplog.text
+
+
 def _parts_call(acc, nbytes: int, seq: int = 1):
     """The apply script's keys and arguments for a payload of parts (mode 'p') of client
     'ab', and the keys of its parts."""
