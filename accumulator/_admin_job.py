@@ -337,8 +337,9 @@ def delete_job(
         # (a model of many accumulators takes a while: the lease is renewed as it goes)
         removed = sum(delete_many(r, named, within=Keys(container, f"{job}/", prefix),
                                   progress=lease.renew))  # fmt: skip
-        removed += int(r.unlink(keys.params, keys.stats))
+        # the versions before the record naming them: cut short, the job is still found
         removed += delete_param_versions(r, keys)
+        removed += int(r.unlink(keys.params, keys.stats))
     finally:
         lease.release()
     # the record of a lease of the job's (the live one, forced; or one that ran out)

@@ -140,6 +140,9 @@ def delete_many(
     (a caller holding a lease renews it)."""
     if accumulators and not checked:
         require_transactions(r, accumulators[0].state)
+        # the purge script runs after the first deletes: the user must be allowed it before
+        # (a call with no key to purge writes nothing)
+        _scripts.call(r, "purge", [accumulators[0].state], [])
     removed = []
     for keys in accumulators:
         removed.append(_delete_named(r, keys))
@@ -158,12 +161,25 @@ def _delete_named(r: redis.Redis, keys: Keys) -> int:
     payloads registered or dropped. The state goes first, atomically with reading the round:
     from then on every script answers NOTFOUND, so nothing new is added while the rest is
     found and removed."""
+    # a key of another type where the round or the orphans belong (written by another
+    # program) names nothing: it is deleted with the others, not read (WRONGTYPE)
+    held = r.pipeline(transaction=False).type(keys.grads).type(keys.orphans).execute()
+    readable = [kind in (b"none", want) for kind, want in zip(held, (b"list", b"zset"), strict=True)]
+
     def queue(pipe: Any) -> None:
-        pipe.lrange(keys.grads, 0, -1)
-        pipe.zrange(keys.orphans, 0, -1)
+        if readable[0]:
+            pipe.lrange(keys.grads, 0, -1)
+        else:
+            pipe.exists(keys.grads)
+        if readable[1]:
+            pipe.zrange(keys.orphans, 0, -1)
+        else:
+            pipe.exists(keys.orphans)
         pipe.unlink(*keys.fixed)
 
     entries, orphans, removed = atomically(r, queue)
+    entries = entries if readable[0] else []
+    orphans = orphans if readable[1] else []
     # spread payloads not in the round: registered, dropped, taken (their parts elsewhere)
     removed = int(removed) + _unlink(r, keys.orphan_parts(orphans))
     # round entries are untrusted: only this accumulator's own payload keys are deleted

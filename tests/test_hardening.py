@@ -148,6 +148,19 @@ def test_reset_and_delete_never_touch_a_foreign_key(target):
     assert r.get("ns:secret") == b"s"
 
 
+@pytest.mark.parametrize("key", ["grads", "orphans"])
+def test_delete_removes_an_accumulator_whose_key_holds_another_type(target, key):
+    """A value of another type where the round (or the orphans) belongs names nothing: delete
+    removes it with the rest (it failed on WRONGTYPE, deleting nothing: CLI review)."""
+    r = target.redis()
+    acc = make(target, shape=(64, 1024))
+    acc.apply_grad(np.ones((64, 1024)))
+    r.unlink(getattr(acc._keys, key))
+    r.set(getattr(acc._keys, key), b"not ours")
+    assert accumulator._admin.delete(r, "h") >= 2
+    assert list(r.scan_iter(match=acc._keys.pattern)) == []
+
+
 def test_a_take_with_too_few_valid_entries_waits_and_changes_nothing_else(target):
     r = target.redis()
     acc = make(target)
