@@ -95,7 +95,8 @@ class Info:
     #: keys nothing refers to (e.g. payloads of applies that never landed); None: not scanned
     stray_keys: int | None = 0
     stray_bytes: int | None = None  # their MEMORY USAGE (``describe`` with memory; else None)
-    stray_expire_ms: int | None = None  # ms until the last of them expires (None: never / none)
+    stray_expire_ms: int | None = None  # ms until the last of them expires (-1: one never does;
+    # None: none, or not known)
     memory_bytes: int | None = None  # MEMORY USAGE summed over keys; None when unavailable
     definition_error: str | None = field(default=None)
     max_pending_bytes: int | None = None  # the pending-bytes limit (None: set by no opener)

@@ -164,7 +164,8 @@ def _delete_named(r: redis.Redis, keys: Keys) -> int:
     # a key of another type where the round or the orphans belong (written by another
     # program) names nothing: it is deleted with the others, not read (WRONGTYPE)
     held = r.pipeline(transaction=False).type(keys.grads).type(keys.orphans).execute()
-    readable = [kind in (b"none", want) for kind, want in zip(held, (b"list", b"zset"), strict=True)]
+    wanted = (b"list", b"zset")
+    readable = [kind in (b"none", want) for kind, want in zip(held, wanted, strict=True)]
 
     def queue(pipe: Any) -> None:
         if readable[0]:
@@ -245,11 +246,13 @@ def reset_container(r: redis.Redis, container: str, *, prefix: str = DEFAULT_PRE
 
 def check_taker(
     r: redis.Redis, shared_name: str, taker_id: str, container: str = "", *,
-    prefix: str = DEFAULT_PREFIX,
+    prefix: str = DEFAULT_PREFIX, drop: bool = False,
 ) -> bool:  # fmt: skip
     """Raise as :func:`evict` would before it changes anything: :class:`InvalidArgumentError`
-    for a malformed taker id, :class:`NotFoundError` when no such taker waits on or holds a
-    round of the accumulator (or there is no accumulator). The CLI asks before it evicts.
+    for a malformed taker id, or a claim to give back (not ``drop``) that no claim registry
+    of the accumulator names (left by a `delete` cut short: its gradients may be of an
+    accumulator deleted since); :class:`NotFoundError` when no such taker waits on or holds
+    a round of the accumulator (or there is no accumulator). The CLI asks before it evicts.
     Returns whether the taker waits in the FIFO (else it holds a claim)."""
     keys = Keys(container, shared_name, prefix)
     if not re.fullmatch(r"[0-9]+-[0-9a-f]+", taker_id):
@@ -259,6 +262,13 @@ def check_taker(
     waiting = r.zscore(keys.takers, taker_id) is not None
     if not waiting and not r.exists(keys.claim(taker_id)):
         raise NotFoundError(f"no taker {taker_id!r} waits on or holds a round of {shared_name!r}")
+    if not drop and not waiting and r.hget(keys.claims, taker_id) is None:
+        raise InvalidArgumentError(
+            f"the round claimed by {taker_id!r} under {shared_name!r} is in no claim registry of "
+            "the accumulator (left by a `delete` cut short, or a registry lost): its gradients "
+            "may be of an accumulator deleted since, and are not given back; evict --drop "
+            "deletes them"
+        )
     return waiting
 
 
@@ -341,7 +351,7 @@ def evict(
     """
     keys = Keys(container, shared_name, prefix)
     claim = keys.claim(taker_id)
-    waiting = check_taker(r, shared_name, taker_id, container, prefix=prefix)
+    waiting = check_taker(r, shared_name, taker_id, container, prefix=prefix, drop=drop)
     if drop:
         require_transactions(r, keys.state)
         entries, spread = _drop_claim(r, keys, claim, taker_id)

@@ -210,8 +210,8 @@ def _memory_usage(r: redis.Redis, keys: Iterable[bytes]) -> int | None:
 
 
 def _last_expiry(r: redis.Redis, keys: list[bytes]) -> int | None:
-    """Milliseconds until the last of ``keys`` expires; None when one never does (or the
-    server refuses PTTL)."""
+    """Milliseconds until the last of ``keys`` expires; -1 when one never does (left by a
+    command cut short); None when the server refuses PTTL."""
     pipe = r.pipeline(transaction=False)
     for key in keys:
         pipe.pttl(key)
@@ -219,8 +219,10 @@ def _last_expiry(r: redis.Redis, keys: list[bytes]) -> int | None:
         ttls = pipe.execute(raise_on_error=False)
     except ResponseError:
         return None
-    if any(isinstance(t, Exception) or t == -1 for t in ttls):
+    if any(isinstance(t, Exception) for t in ttls):
         return None
+    if any(t == -1 for t in ttls):
+        return -1
     return max(max(int(t), 0) for t in ttls)
 
 

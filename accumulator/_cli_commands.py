@@ -314,7 +314,8 @@ def _delete(ctx: Context, args: argparse.Namespace) -> int:
 def _evict(ctx: Context, args: argparse.Namespace) -> int:
     r = ctx.connect()
     what = "and delete its claimed round" if args.drop else "(its claimed round, if any, goes back)"
-    _admin.check_taker(r, args.name, args.taker, ctx.scope)  # (asking about none would mislead)
+    # (asking about none would mislead)
+    _admin.check_taker(r, args.name, args.taker, ctx.scope, drop=args.drop)
     info = _admin.describe(r, args.name, ctx.scope, memory=False, scan=False)
     state = _taker_state(info, args.taker)
     if state.startswith("live") and not args.force:

@@ -272,7 +272,7 @@ def render_show(info: _admin.Info, prev: _admin.Info | None = None) -> list[str]
                     held += f" ({c.missing_blobs} payloads missing)"
                 step = "?" if c.step is None else str(c.step)
                 if c.lease_remaining_ms is None:
-                    lease = "none (evict it to give it back)"
+                    lease = "none: in no registry (`evict --drop` deletes it)"
                 elif c.lease_remaining_ms < 0:
                     lease = (f"ran out {fmt_ms(-c.lease_remaining_ms)} ago: the next take "
                              f"of {c.count} or fewer gets it")
@@ -290,12 +290,17 @@ def render_show(info: _admin.Info, prev: _admin.Info | None = None) -> list[str]
             )
         if info.stray_keys:
             size = "" if info.stray_bytes is None else f", {fmt_bytes(info.stray_bytes)}"
-            when = ("on their own" if info.stray_expire_ms is None
-                    else f"within {fmt_ms(info.stray_expire_ms)}")  # fmt: skip
+            if info.stray_expire_ms is None:
+                when = "they expire on their own"
+            elif info.stray_expire_ms < 0:  # a reset or delete cut short left them
+                when = "some never expire"
+            else:
+                when = f"they expire within {fmt_ms(info.stray_expire_ms)}"
             lines.append(
                 f"  {plural(info.stray_keys, 'stray key')}{size} (payloads of applies that "
-                f"never completed: a worker killed while it sent one); they expire {when} "
-                "(`reset` keeps them: an apply may be on its way; `delete` removes them)"
+                f"never completed: a worker killed while it sent one, or of a command cut "
+                f"short); {when} (`reset` keeps them: an apply may be on its way; `delete` "
+                "removes them)"
             )
     return lines
 

@@ -217,6 +217,10 @@ local function claim_lease_ms(base_ms, per_mib, nbytes, entries)
     + entries * LEASE_MS_PER_ENTRY)
 end
 
+-- Payloads a script dropped (reset.lua) expire this long after, should the client that is to
+-- unlink them right away be cut short.
+local DROPPED_TTL_MS = 60000
+
 -- How long a finished take is remembered (finish.lua), to answer a retried finish.
 local FINISH_MEMORY_MS = 120000
 local MAX_PARTS = 1048576

@@ -6,7 +6,8 @@
 -- ARGV[1] schema
 -- Returns {number of gradients dropped (stranded claims' included), number of them that were
 -- in stranded claims, blob key...}: the blob keys are not in KEYS, so the
--- client deletes them with a plain UNLINK after this script made them unreachable. Only this
+-- client deletes them with a plain UNLINK after this script made them unreachable (and set
+-- them to expire, in case it is cut short). Only this
 -- accumulator's own payload keys are returned: an entry naming any other key is dropped
 -- without touching that key. Spread payloads (parts in other slots) become garbage in the
 -- orphans zset, due at once: the client sweeps them (orphans.lua).
@@ -18,7 +19,8 @@ if #KEYS ~= 5 then return acc_error('BADKEY ' .. #KEYS) end
 local err = read_state(state, ARGV[1], {'gen'})  -- (gen: checked before HINCRBY meets it)
 if err then return err end
 err = check_acl({'DEL', grads, 'DEL', KEYS[3], 'HSET', state, 'HDEL', state,
-  'HINCRBY', state, 'UNLINK', base .. ':b:0:0', 'ZADD', KEYS[4], 'LRANGE', grads})
+  'HINCRBY', state, 'UNLINK', base .. ':b:0:0', 'PEXPIRE', base .. ':b:0:0', 'ZADD', KEYS[4],
+  'LRANGE', grads})
 if err then return err end
 err = check_types({grads, 'list', KEYS[4], 'zset'})
 if err then return err end
@@ -66,6 +68,8 @@ blobs[1] = dropped
 -- a delete first: at maxmemory Redis refuses a script's first write if it needs memory, and
 -- a reset is how a full server is freed
 redis.call('DEL', grads, KEYS[3])
+-- the payloads expire unless the client unlinks them first (cut short, it left them forever)
+for i = 3, #blobs do redis.call('PEXPIRE', blobs[i], DROPPED_TTL_MS) end
 for _, s in ipairs(stranded) do
   redis.call('DEL', s[2])
   redis.call('HDEL', registry, s[1])

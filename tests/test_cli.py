@@ -869,7 +869,11 @@ def test_show_says_what_stray_payloads_hold_and_when_they_go(real: Target) -> No
     assert _model.ORPHAN_TTL_MS - 60_000 < info.stray_expire_ms <= _model.ORPHAN_TTL_MS
     text = ok(cli("show", "strays", "--url", real.url))
     assert re.search(r"2 stray keys, \d+\.\d KiB \(payloads of applies that never completed: "
-                     r"a worker killed while it sent one\); they expire within (59|60)m\d\ds", text)
+                     r"a worker killed while it sent one, or of a command cut short\); they "
+                     r"expire within (59|60)m\d\ds", text)
+    r.persist(acc._keys.blob("0badc0de", 2))  # as a reset cut short left them, before 1.4
+    assert _admin.describe(r, "strays").stray_expire_ms == -1
+    assert "some never expire" in ok(cli("show", "strays", "--url", real.url))
     acc.close()
 
 

@@ -1060,3 +1060,19 @@ def test_a_retried_apply_refused_parts_at_maxmemory_but_counted_returns_true(rea
     monkeypatch.undo()
     assert acc.num_accumulated() == 1
     np.testing.assert_array_equal(acc.take_grad(1, timeout=5), np.ones(shape))
+
+
+def test_reset_sets_the_payloads_it_drops_to_expire(target, monkeypatch):
+    """reset unlinks the payloads its script dropped; cut short before that (Ctrl-C, a lost
+    connection), they expired never (CLI review): the script sets them to expire. (Parts
+    spread over other slots are registered as garbage for the next sweep instead.)"""
+    from accumulator import _admin_ops
+
+    acc = make(target, shape=(64, 1024), spread_parts=False)
+    acc.apply_grad(np.ones((64, 1024)))
+    r = target.redis()
+    (entry,) = r.lrange(acc._keys.grads, 0, -1)
+    (blob,) = acc._keys.entry_keys(entry)
+    monkeypatch.setattr(_admin_ops, "_unlink", lambda r, keys: 0)  # cut short there
+    assert accumulator._admin.reset(r, "h") == 1
+    assert 0 < r.pttl(blob) <= 60_000

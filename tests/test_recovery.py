@@ -292,3 +292,19 @@ def test_claim_lease_is_checked_when_set(target, bad):
     assert acc.claim_lease == 2.0
     acc.claim_lease = None
     assert acc.claim_lease is None
+
+
+def test_evict_gives_back_only_a_claim_the_registry_names(target):
+    """A claim left by a delete cut short (no registry names it) under a name created again:
+    evict does not give its gradients to the new accumulator (it did: CLI review); --drop
+    deletes it."""
+    acc = make(target)
+    acc.apply_grad(np.full(SHAPE, 7.0))
+    _abandoned_take(acc, "8-dead", 1, taker_lease_ms=60_000, claim_lease_ms=60_000)
+    r = target.redis()
+    r.hdel(acc._keys.claims, "8-dead")  # what a delete cut short after the state leaves
+    with pytest.raises(accumulator.InvalidArgumentError, match="in no claim registry"):
+        accumulator._admin.evict(r, "r", "8-dead")
+    assert (acc.global_step(), acc.num_accumulated()) == (1, 0)
+    assert accumulator._admin.evict(r, "r", "8-dead", drop=True) == "dropped"
+    assert not r.exists(acc._keys.claim("8-dead"))
