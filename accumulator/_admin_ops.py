@@ -163,7 +163,10 @@ def _delete_named(r: redis.Redis, keys: Keys) -> int:
     found and removed."""
     # a key of another type where the round or the orphans belong (written by another
     # program) names nothing: it is deleted with the others, not read (WRONGTYPE)
-    held = r.pipeline(transaction=False).type(keys.grads).type(keys.orphans).execute()
+    pipe = r.pipeline(transaction=False)
+    pipe.type(keys.grads)
+    pipe.type(keys.orphans)
+    held = pipe.execute()
     wanted = (b"list", b"zset")
     readable = [kind in (b"none", want) for kind, want in zip(held, wanted, strict=True)]
 
