@@ -287,11 +287,20 @@ def _usage_failure(exc: _UsageError, argv: list[str], err: TextIO, out: TextIO) 
 _ONE_ACCUMULATOR = ("show", "watch", "set-step", "reset", "delete", "evict")
 
 
+def _no_such_accumulator(exc: Exception) -> bool:
+    """Whether ``exc`` says the accumulator named does not exist (not: no such taker)."""
+    text = str(exc)
+    return isinstance(exc, NotFoundError) and (
+        text.startswith("no accumulator named") or "does not exist" in text
+    )
+
+
 def _container_hint(ctx: Context, name: str) -> str:
-    """When ``name`` exists in other containers: where, and how to reach it ("" if not)."""
+    """When ``name`` exists in other containers: where, and how to reach it ("" if not).
+    Ctrl-C during its SCAN skips it (the command failed already)."""
     try:
         others = [c for c in _admin.containers_of(ctx.connect(), name) if c != ctx.scope]
-    except Exception:  # noqa: BLE001 - only a hint
+    except (Exception, KeyboardInterrupt):  # noqa: BLE001 - only a hint
         return ""
     if not others:
         return ""
@@ -407,7 +416,7 @@ def main(
         return EXIT_OK
     except Exception as exc:  # noqa: BLE001 - mapped to a message and an exit code
         error = _translate(ctx, exc)
-        if isinstance(exc, NotFoundError) and args.command in _ONE_ACCUMULATOR:
+        if _no_such_accumulator(exc) and args.command in _ONE_ACCUMULATOR:
             error.message += _container_hint(ctx, args.name)
         return _fail(ctx, error)
     finally:

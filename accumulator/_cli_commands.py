@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 from typing import Any
 
@@ -78,8 +79,8 @@ def _positive_float(text: str) -> float:
         value = float(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from exc
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
     return value
 
 
@@ -116,6 +117,7 @@ def _positive_int(text: str) -> int:
     ),
 )
 def _watch(ctx: Context, args: argparse.Namespace) -> int:
+    ctx.json_lines = True  # (its error too: one JSON document per line)
     r = ctx.connect()
     tty = ctx.out.isatty() and not ctx.json
     prev: _admin.Info | None = None

@@ -133,6 +133,7 @@ class Context:
     tls: bool = False  # --tls
     tls_ca_cert: str | None = None  # --tls-ca-cert FILE (implies TLS)
     password: str | None = field(default=None, repr=False)  # $REDISCLI_AUTH
+    json_lines: bool = False  # --json writes one document per line (watch), not indented
     _client: redis.Redis | None = field(default=None, repr=False)
 
     @property
@@ -306,7 +307,7 @@ class Context:
         self.out.flush()
 
     def dump(self, data: Any) -> None:
-        self.write(json.dumps(data, indent=2, sort_keys=False))
+        self.write(json.dumps(data, indent=None if self.json_lines else 2, sort_keys=False))
 
     def confirm(self, question: str, yes: bool, what: str) -> None:
         """Ask on a terminal; without one (and without --yes) refuse. Raises CliError(2)."""

@@ -905,6 +905,21 @@ def test_a_name_in_another_container_is_hinted(real: Target, make: Callable[...,
     err = failed(cli("show", "y", "--container", "job7", "--url", real.url), 1)
     assert "it exists in container '' (pass --container '')" in err
     assert "exists in" not in failed(cli("show", "nowhere", "--url", real.url), 1)
+    # a taker not found in an accumulator that exists: no hint (nor its SCAN)
+    make("x")
+    err = failed(cli("evict", "x", "12345-0a1b2c3d4e5f", "--yes", "--url", real.url), 1)
+    assert "no taker '12345-0a1b2c3d4e5f'" in err and "exists in" not in err
+
+
+def test_watch_json_reports_an_error_on_one_line_and_refuses_an_endless_interval(
+    real: Target,
+) -> None:
+    proc = cli("watch", "nowhere", "--json", "-n", "1", "--url", real.url)
+    failed(proc, 1)
+    (line,) = proc.stdout.splitlines()  # one document per line, the error's too
+    assert json.loads(line)["error"]["kind"] == "not_found"
+    err = failed(cli("watch", "-i", "inf", "-n", "1", "--url", real.url), 2)
+    assert "must be a finite number > 0" in err
 
 
 # -- job: a sync job at a glance -----------------------------------------------------------------
