@@ -17,7 +17,8 @@ and ``--role worker --worker-index I`` run one of them, for separate hosts or co
 (give every process the same ``--url``, ``--job``, ``--workers`` and ``--seed``).
 
 Exit code: 0 when the held-out accuracy reaches ``--min-accuracy``, 1 when it does not,
-2 on errors (no server, workers gone, timeouts), 130 on Ctrl-C.
+2 on errors (no local server, workers gone, timeouts, refused by Redis), 3 when Redis cannot
+be reached (as the CLI's), 130 on Ctrl-C.
 
 The URL's password is never printed (``accumulator._redact``): the header and the JSON
 summary show the URL masked, and the printed ``watch`` command leaves the password out of
@@ -586,7 +587,7 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
             what = "cannot reach Redis at" if reach else "Redis at"
             logger.error("%s %s: %s", what, redact_url(url or "?"),
                          scrub(str(exc), url_secrets(url)))  # fmt: skip
-            return 2
+            return 3 if reach else 2  # (the CLI's codes: EXIT_CONNECT, EXIT_USAGE)
         raise
 
 
