@@ -58,7 +58,7 @@ class StateScan:
     def _pass(self) -> Iterator[list[bytes]]:
         """One whole pass, a SCAN call at a time (each primary of a cluster in turn)."""
         if isinstance(self._r, RedisCluster):
-            for node in self._r.get_primaries():
+            for node in _primaries(self._r):
                 cursor = 0
                 while True:
                     # (a cluster client's SCAN answers a cursor per node it asked)
@@ -76,3 +76,19 @@ class StateScan:
             yield found
             if int(cursor) == 0:
                 return
+
+
+def _primaries(r: RedisCluster) -> list[Any]:
+    """The cluster's primaries, as the client knows them; its view first made new when some
+    slot's serving node is not among them (after a failover the client may still take the
+    promoted replica for a replica until a command of that slot is redirected: a pass of
+    the primaries it knows then missed that slot's accumulators, and watch dropped them)."""
+    primaries = r.get_primaries()
+    names = {node.name for node in primaries}
+    slots = r.nodes_manager.slots_cache
+    if len(slots) < 16384 or any(
+        not held or held[0].name not in names for held in slots.values()
+    ):
+        r.nodes_manager.initialize()
+        primaries = r.get_primaries()
+    return list(primaries)

@@ -677,3 +677,23 @@ def test_watch_spreads_its_scan_over_frames(
     for i in range(6000):
         pipe.unlink(f"other:{i}")
     pipe.execute()
+
+
+def test_watch_on_a_cluster_sees_every_slot_after_a_failover(
+    target: Target, make: Callable[..., Any], r: redis.Redis
+) -> None:
+    """After a failover the client may take the promoted replica for a replica until a
+    command of its slots is redirected: a pass over the primaries it knew missed that
+    node's accumulators, and ``watch`` dropped them for frames (CLI review). A pass first
+    makes the client's view new when a slot's node is not among its primaries."""
+    from redis.cluster import REPLICA, RedisCluster
+
+    from accumulator._admin_scan import StateScan
+
+    if not isinstance(r, RedisCluster):
+        pytest.skip("cluster topology")
+    acc = make("f")
+    node = r.get_node_from_key(acc._keys.state)
+    node.server_type = REPLICA  # the client's stale view: its primary taken for a replica
+    assert node.name not in {n.name for n in r.get_primaries()}
+    assert acc._keys.state.encode() in StateScan(r, "").keys(10)
