@@ -195,7 +195,7 @@ class Context:
     def _sentinel_options(self) -> dict[str, Any]:
         """``--user``, ``$REDISCLI_AUTH``, ``--tls`` and ``--tls-ca-cert`` for the primary a
         ``redis+sentinel://`` URL names (the URL's own user and password win)."""
-        extra: dict[str, Any] = {}
+        extra: dict[str, Any] = {"retry": Retry(NoBackoff(), 1)}  # (as a plain URL's)
         if self.user:
             extra["username"] = self.user
         if self.password:
@@ -245,7 +245,7 @@ class Context:
             return self._client
         managed = sentinel_client(self.url, **self._sentinel_options())
         if managed is not None:  # redis+sentinel://: the primary the Sentinels name
-            managed.ping()
+            self._probe_managed(managed)
             self._client = managed
             return managed
         pool = redis.ConnectionPool(**self.connection_options())
@@ -281,6 +281,19 @@ class Context:
             probe.close()
             probe.connection_pool.disconnect()
         return True
+
+    def _probe_managed(self, client: redis.Redis) -> None:
+        """The first PING of a Sentinel-managed client, as :meth:`_probe`'s: its connection
+        waits :data:`CONNECT_TIMEOUT` for the reply (and is dropped), the ones after it as
+        long as a command's (a frozen primary took a minute to be "cannot connect")."""
+        kwargs = client.connection_pool.connection_kwargs
+        after = kwargs.get("socket_timeout") or COMMAND_TIMEOUT
+        kwargs["socket_timeout"] = CONNECT_TIMEOUT
+        try:
+            client.ping()
+        finally:
+            kwargs["socket_timeout"] = after
+            client.connection_pool.disconnect()
 
     def _note_cluster_node(self, client: redis.Redis) -> None:
         """A plain URL of a cluster node reaches that node alone: say so once (its commands

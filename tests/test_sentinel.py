@@ -232,3 +232,30 @@ def test_a_call_cut_by_ctrl_c_leaves_no_reply_behind_on_a_sentinel_connection(se
     assert acc.num_accumulated() == 2
     np.testing.assert_array_equal(acc.take_grad(2, timeout=5), [2.0, 2.0])
     assert acc.global_step() == 8
+
+
+def test_the_cli_finds_a_stalled_primary_unreachable_after_the_connect_timeout(
+    sentinel_master, monkeypatch
+):
+    """The CLI's first PING waits CONNECT_TIMEOUT through a Sentinel URL too (it waited for
+    as long as the primary did not answer: CLI review)."""
+    import io
+
+    from accumulator import _cli, _cli_context
+
+    monkeypatch.setattr(_cli_context, "CONNECT_TIMEOUT", 0.5)
+    host, port = sentinel_master.discover_master("mymaster")
+    sentinel_port = sentinel_master.sentinels[0].connection_pool.connection_kwargs["port"]
+    url = f"redis+sentinel://127.0.0.1:{sentinel_port}/mymaster"
+    stalled = _stall(host, port, 4)
+    try:
+        time.sleep(0.3)  # (the stall under way)
+        err = io.StringIO()
+        started = time.monotonic()
+        code = _cli.main(["--url", url, "ls"], stdout=io.StringIO(), stderr=err)
+        elapsed = time.monotonic() - started
+    finally:
+        stalled.join()
+    assert code == 3 and "cannot connect" in err.getvalue(), (elapsed, err.getvalue())
+    assert elapsed < 2.5  # (until the stall ended, before)
+    assert _cli.main(["--url", url, "ls"], stdout=io.StringIO(), stderr=err) == 0
