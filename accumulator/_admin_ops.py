@@ -161,33 +161,31 @@ def _delete_named(r: redis.Redis, keys: Keys) -> int:
     payloads registered or dropped. The state goes first, atomically with reading the round:
     from then on every script answers NOTFOUND, so nothing new is added while the rest is
     found and removed."""
-    # a key of another type where the round or the orphans belong (written by another
-    # program) names nothing: it is deleted with the others, not read (WRONGTYPE)
-    pipe = r.pipeline(transaction=False)
-    pipe.type(keys.grads)
-    pipe.type(keys.orphans)
-    held = pipe.execute()
-    wanted = (b"list", b"zset")
-    readable = [kind in (b"none", want) for kind, want in zip(held, wanted, strict=True)]
-
     def queue(pipe: Any) -> None:
-        if readable[0]:
-            pipe.lrange(keys.grads, 0, -1)
-        else:
-            pipe.exists(keys.grads)
-        if readable[1]:
-            pipe.zrange(keys.orphans, 0, -1)
-        else:
-            pipe.exists(keys.orphans)
+        pipe.lrange(keys.grads, 0, -1)
+        pipe.zrange(keys.orphans, 0, -1)
         pipe.unlink(*keys.fixed)
 
-    entries, orphans, removed = atomically(r, queue)
-    entries = entries if readable[0] else []
-    orphans = orphans if readable[1] else []
+    entries, orphans, removed = atomically(r, queue, raise_on_error=False)
+    # a key of another type where the round or the orphans belong (written by another
+    # program) names nothing: it is deleted with the others (WRONGTYPE stopped delete)
+    entries, orphans = (_named_by(reply) for reply in (entries, orphans))
+    if isinstance(removed, Exception):
+        raise removed
     # spread payloads not in the round: registered, dropped, taken (their parts elsewhere)
     removed = int(removed) + _unlink(r, keys.orphan_parts(orphans))
     # round entries are untrusted: only this accumulator's own payload keys are deleted
     return removed + _unlink(r, keys.payload_keys(entries))
+
+
+def _named_by(reply: Any) -> list[Any]:
+    """A read of :func:`_delete_named`'s transaction: the keys it names; none for a value of
+    another type (any other error is raised)."""
+    if isinstance(reply, Exception):
+        if "WRONGTYPE" not in str(reply):
+            raise reply
+        return []
+    return list(reply)
 
 
 def _group_by_owner(found: set[bytes], accumulators: list[Keys]) -> dict[str, list[bytes]]:

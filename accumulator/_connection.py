@@ -394,20 +394,22 @@ def require_transactions(r: Any, key: str | bytes) -> None:
         ) from exc
 
 
-def atomically(r: Any, queue: Callable[[Any], None]) -> list[Any]:
+def atomically(r: Any, queue: Callable[[Any], None], raise_on_error: bool = True) -> list[Any]:
     """The replies of the commands ``queue(pipe)`` puts on a pipeline, run as one
     transaction. At maxmemory Redis refuses every command queued in a transaction, a read or
     a delete as well: there they run as a plain pipeline, one after another (the tools that
-    free memory must work then; and Redis refuses most writes that could come in between)."""
+    free memory must work then; and Redis refuses most writes that could come in between).
+    ``raise_on_error=False``: a command's error reply (WRONGTYPE) comes back in its place
+    (the others ran: a transaction does not roll back)."""
     pipe = r.pipeline(transaction=True)
     queue(pipe)
     try:
-        return list(pipe.execute())
+        return list(pipe.execute(raise_on_error=raise_on_error))
     except OutOfMemoryError:
         logger.debug("at maxmemory: the transaction is sent as a plain pipeline")
     pipe = r.pipeline(transaction=False)
     queue(pipe)
-    return list(pipe.execute())
+    return list(pipe.execute(raise_on_error=raise_on_error))
 
 
 def _url_client(url: str) -> redis.Redis:
