@@ -401,12 +401,15 @@ def list_jobs(
     """The sync jobs of one container (their published state or counters exist), sorted."""
     pattern = state_pattern(container, sync_prefix)[: -len(":s")]  # accsync:{C:*}
     names: set[str] = set()
-    for suffix in (":p", ":st"):
-        for raw in r.scan_iter(match=pattern + suffix, count=1000):
-            key = raw.decode("utf-8", "replace")
-            parsed = parse_state_key(key[: -len(suffix)] + ":s", sync_prefix)
-            if parsed is not None and parsed[0] == container:
-                names.add(parsed[1])
+    # one SCAN for both suffixes (a SCAN walks the whole keyspace whatever it matches)
+    for raw in r.scan_iter(match=pattern + ":[ps]*", count=1000):
+        key = raw.decode("utf-8", "replace")
+        suffix = next((s for s in (":p", ":st") if key.endswith(s)), None)
+        if suffix is None:
+            continue
+        parsed = parse_state_key(key[: -len(suffix)] + ":s", sync_prefix)
+        if parsed is not None and parsed[0] == container:
+            names.add(parsed[1])
     return sorted(names)
 
 

@@ -239,10 +239,18 @@ def _delete_found(r: redis.Redis, keys: Keys, found: list[bytes]) -> int:
 
 def reset_container(r: redis.Redis, container: str, *, prefix: str = DEFAULT_PREFIX) -> int:
     """Delete every accumulator of one container (TF's container reset). Returns how many."""
-    named = [Keys(info.container, info.shared_name, prefix)
-             for info in list_accumulators(r, container, prefix=prefix)]  # fmt: skip
-    removed = delete_many(r, named, within=Keys(container, "", prefix))
+    names = [info.shared_name for info in list_accumulators(r, container, prefix=prefix)]
+    removed = delete_listed(r, container, names, prefix=prefix)
     return sum(1 for n in removed if n)  # (0: deleted by someone else meanwhile)
+
+
+def delete_listed(
+    r: redis.Redis, container: str, names: list[str], *, prefix: str = DEFAULT_PREFIX
+) -> list[int]:
+    """:func:`reset_container` of the accumulators ``names`` listed already (the CLI's
+    question: one SCAN less): the keys deleted of each (0: none, deleted meanwhile)."""
+    named = [Keys(container, name, prefix) for name in names]
+    return delete_many(r, named, within=Keys(container, "", prefix))
 
 
 def check_taker(

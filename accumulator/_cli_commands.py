@@ -367,16 +367,19 @@ def _reset_container(ctx: Context, args: argparse.Namespace) -> int:
             args.yes,
             f"reset container {where}",
         )
-        for job in jobs:  # (their parameters' accumulators with them)
+        gone: list[str] = []  # the jobs deleted: their parameters' accumulators with them
+        for job in jobs:
             try:
                 _admin.delete_job(r, job, ctx.container, force=True)
             except NotFoundError:  # deleted meanwhile
                 continue
+            gone.append(f"{job}/")
             jobs_deleted += 1
-        if jobs:  # the accumulators those deletes took, counted too
-            left = {i.shared_name for i in _admin.list_accumulators(r, ctx.container)}
-            deleted = sum(1 for n in names if n not in left)
-        deleted += _admin.reset_container(r, ctx.container)
+        # the accumulators as listed for the question (no SCAN again): those the job deletes
+        # took are found gone, and counted
+        removed = _admin_ops.delete_listed(r, ctx.container, names)
+        deleted = sum(1 for name, n in zip(names, removed, strict=True)
+                      if n or name.startswith(tuple(gone)))  # fmt: skip
     if ctx.json:
         ctx.dump({"container": ctx.container, "deleted": deleted, "jobs_deleted": jobs_deleted})
     else:

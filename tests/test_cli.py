@@ -487,8 +487,23 @@ def test_reset_container_deletes_its_sync_jobs(real: Target) -> None:
     assert list(r.scan_iter("accsync:*"))
     err = failed(cli("reset-container", "--container", "jc", "--url", real.url), 2)
     assert "--yes" in err
+    accumulator.ConditionalAccumulator(np.float32, (2,), shared_name="own", container="jc",
+                                       client=real.url).close()  # fmt: skip
+
+    def scans() -> int:
+        stats = r.info("commandstats", **({"target_nodes": "all"} if real.kind == "cluster"
+                                          else {}))  # fmt: skip
+        if real.kind == "cluster":  # (one dict per node)
+            return sum(v.get("cmdstat_scan", {}).get("calls", 0) for v in stats.values())
+        return int(stats.get("cmdstat_scan", {}).get("calls", 0))
+
+    before = scans()
     out = ok(cli("reset-container", "--container", "jc", "--yes", "--url", real.url))
-    assert out.strip() == "deleted 1 accumulator and 1 sync job of container 'jc'"
+    # a walk of the keyspace each: the accumulators and the jobs listed, the job's keys and
+    # versions, the container's keys (it walked it 8 times: CLI review)
+    nodes = len(r.get_primaries()) if real.kind == "cluster" else 1
+    assert scans() - before == 5 * nodes
+    assert out.strip() == "deleted 2 accumulators and 1 sync job of container 'jc'"
     assert list(r.scan_iter("accsync:*")) == [] and list(r.scan_iter("acc:*")) == []
     failed(cli("job", "jj", "--container", "jc", "--url", real.url), 1)
 
