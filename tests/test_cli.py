@@ -587,7 +587,8 @@ def test_password_errors_exit_3(real: Target) -> None:
 def test_usage_errors_exit_2(real: Target) -> None:
     failed(cli(), 2)
     failed(cli("frobnicate"), 2)
-    assert "must be > 0" in failed(cli("watch", "x", "--interval", "0", "--url", real.url), 2)
+    assert "must be a finite number > 0" in failed(cli("watch", "x", "--interval", "0",
+                                                     "--url", real.url), 2)
     failed(cli("set-step", "x", "not-a-number", "--url", real.url), 2)
     assert "invalid --url" in failed(cli("ls", "--url", "http://example.com"), 2)
     # (tracebacks and exit 1 before; a cluster's db: exit 3, "cannot connect")
