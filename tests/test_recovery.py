@@ -229,7 +229,7 @@ def test_a_slow_reader_keeps_its_round_while_another_taker_waits(target, monkeyp
     shape = (1024, 1024)  # 4 MiB: 5 parts, read a part per window below
     reader, other = make(target, shape=shape), make(target, shape=shape)
     for acc in (reader, other):
-        acc.claim_lease = 0.3  # lease 0.3 s + 0.4 s for 8 MiB; the read takes ~1.5 s
+        acc.claim_lease = 1.0  # lease 1 s + 0.4 s for 8 MiB; the read takes ~2.5 s
         acc.wait_slice = 0.05
     reader.apply_grad(np.ones(shape))
     reader.apply_grad(np.full(shape, 3.0))
@@ -242,7 +242,7 @@ def test_a_slow_reader_keeps_its_round_while_another_taker_waits(target, monkeyp
         if "reading" in getattr(request, "what", ""):
             if not waiting.is_alive() and not outcome:  # claimed: the other comes now
                 waiting.start()
-            time.sleep(0.3)
+            time.sleep(0.5)
         if getattr(request, "name", "") == "renew":
             renewals.append(request)
         return do(request)
@@ -252,7 +252,7 @@ def test_a_slow_reader_keeps_its_round_while_another_taker_waits(target, monkeyp
 
     def wait_for_a_round():
         try:
-            outcome.append(other.take_grad(1, timeout=3))
+            outcome.append(other.take_grad(1, timeout=4))
         except accumulator.DeadlineExceededError as exc:
             outcome.append(exc)
 
@@ -262,7 +262,7 @@ def test_a_slow_reader_keeps_its_round_while_another_taker_waits(target, monkeyp
     finally:
         waiting.join()
     assert isinstance(outcome[0], accumulator.DeadlineExceededError), outcome
-    assert len(renewals) >= 3
+    assert len(renewals) >= 2
     assert reader.global_step() == 1
     assert int(target.redis().hget(reader._keys.state, "n_adopted") or 0) == 0
 
