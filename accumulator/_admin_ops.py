@@ -213,7 +213,11 @@ def _delete_found(r: redis.Redis, keys: Keys, found: list[bytes]) -> int:
     claimed: list[bytes] = []
     for name in rest:
         if name.startswith(keys.claim("").encode()):
-            claimed += [e for e in r.lrange(name, 1, -1) if isinstance(e, bytes)]
+            try:
+                claimed += [e for e in r.lrange(name, 1, -1) if isinstance(e, bytes)]
+            except redis.ResponseError as exc:  # another type: no claim, deleted all the same
+                if "WRONGTYPE" not in str(exc):
+                    raise
     own = (keys.base + ":").encode()
     payloads = keys.payload_keys(claimed)
     rest += [key for key in payloads if key.startswith(own)]

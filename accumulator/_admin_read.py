@@ -245,7 +245,11 @@ def _left_claims(
     pipe.hgetall(keys.claims)
     for key in kept:
         pipe.lrange(key, 0, -1)
-    registry, *contents = pipe.execute()
+    registry, *contents = pipe.execute(raise_on_error=False)
+    if isinstance(registry, Exception):
+        raise registry
+    # a value of another type under a claim's name is no claim (a foreign write): skipped
+    contents = [[] if isinstance(c, Exception) else c for c in contents]
     # entries are untrusted: only this accumulator's own payload keys are looked at
     blob_refs = [keys.payload_keys(c[1:]) for c in contents]
     all_blobs = [b for refs in blob_refs for b in refs]

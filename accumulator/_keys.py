@@ -169,6 +169,11 @@ class Keys:
         return self.base + ":q"
 
     @cached_property
+    def idle(self) -> str:
+        """A list nobody writes: a take waiting out maxmemory blocks on it (BLPOP)."""
+        return self.base + ":z"
+
+    @cached_property
     def quarantine(self) -> str:
         return self.base + ":x"
 

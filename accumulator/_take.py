@@ -154,13 +154,16 @@ def take(
                     # Redis at maxmemory (briefly, often: a large apply's parts refused): a
                     # take waits it out, as it waits for gradients; nothing was changed
                     full = full or _at_maxmemory(acc, exc)
-                    wait = acc.wait_slice
+                    wait = acc.wait_slice if cancel is None else min(acc.wait_slice,
+                                                                     CANCEL_SLICE)  # fmt: skip
                     if deadline is not None:
                         wait = min(wait, deadline - time.monotonic())
                         if wait <= 0:
                             message = yield from _timeout_message(acc, n, seconds or 0.0)
                             raise DeadlineExceededError(f"{message}; {full}") from exc
-                    yield Pop(k.wake, max(wait, 0.001), until=deadline)
+                    # a wait on a list nobody pushes (not the head's wake list: a taker
+                    # behind it would take its wake-up)
+                    yield Pop(k.idle, max(wait, 0.001), until=deadline)
                     continue
             if int(reply[0]) == 2:  # spread entries to check before the script may claim
                 checked.update((yield from _check_spread(acc, reply[1])))
@@ -191,7 +194,7 @@ def take(
                 wait = min(wait, deadline - time.monotonic())
                 if wait <= 0:
                     message = yield from _timeout_message(acc, n, seconds or 0.0)
-                    raise DeadlineExceededError(message)
+                    raise DeadlineExceededError(f"{message}; {full}" if full else message)
             # Wake-ups are hints: the take script re-checks after every one.
             at_head, reply = int(reply[1]) == 1, None
             if at_head:

@@ -16,12 +16,17 @@ if #KEYS ~= 3 or #ARGV ~= 5 or claim ~= base .. ':c:' .. me or not is_own(base, 
     or not is_count(ARGV[4]) or not is_count(ARGV[5]) then
   return acc_error('BADARG renew')
 end
-local err = check_acl({'HSET', registry, 'HGET', registry, 'EXISTS', claim})
+local err = check_acl({'HSET', registry, 'HDEL', registry, 'HGET', registry, 'EXISTS', claim})
 if err then return err end
 err = check_types({registry, 'hash', claim, 'list'})
 if err then return err end
 local expiry = tonumber(redis.call('HGET', registry, me) or '')
 if not expiry or redis.call('EXISTS', claim) == 0 then return 0 end
 local lease = now_ms() + claim_lease_ms(ARGV[2], ARGV[3], ARGV[4], tonumber(ARGV[5]))
-if lease > expiry then redis.call('HSET', registry, me, int_str(lease)) end
+if lease > expiry then
+  -- a delete first: at maxmemory Redis refuses a script's first write if it needs memory,
+  -- and a reader must keep its round there (its reads and its finish still work)
+  redis.call('HDEL', registry, me)
+  redis.call('HSET', registry, me, int_str(lease))
+end
 return 1

@@ -159,6 +159,10 @@ if not queued and redis.call('EXISTS', KEYS[9]) == 1 then
     if not expiry or not is_own(base, dead, 'c') or redis.call('EXISTS', dead) == 0 then
       -- given back meanwhile, not ours to follow, or a 'done' mark of an older client
       redis.call('HDEL', KEYS[9], other)
+    elseif expiry <= now and type(redis.pcall('LINDEX', dead, '0')) == 'table' then
+      -- (LINDEX of a value of another type is an error: a pcall, not TYPE, which the roles
+      -- do not grant; a missing header is false, not a table)
+      redis.call('HDEL', KEYS[9], other)  -- a value of another type: not ours to follow
     elseif expiry <= now and tonumber(string.match(redis.call('LINDEX', dead, '0') or '',
         '^%-?%d+ (%d+) ') or '0') >= n then
       -- (a round of fewer gradients than this take requires waits for one that asks fewer,
@@ -273,12 +277,14 @@ if queued or count < n then
 end
 
 -- Claim: this taker is at the head (or alone) and the round is big enough.
+-- The RENAME first: at maxmemory Redis refuses a script's first write if it needs memory
+-- (HINCRBY would), and a claim is how a full server is drained (its taker frees the round).
+redis.call('RENAME', grads, claim)  -- count >= num_required >= 1: the list exists
 -- HINCRBY keeps the step an exact int64 (Lua numbers are doubles)
 local gen = int_str(tonumber(st.gen) + 1)
 redis.call('HINCRBY', state, 'step', '1')
 local header = redis.call('HGET', state, 'step') .. ' ' .. int_str(count) .. ' ' .. nbytes ..
   ' ' .. gen .. ' ' .. (st.rshape and ('1 ' .. st.rshape) or '0 ')
-redis.call('RENAME', grads, claim)  -- count >= num_required >= 1: the list exists
 redis.call('LPUSH', claim, header)
 -- the claim is the header and the entries just checked (not read again: inline payloads
 -- would be made Lua strings twice); after a quarantine, what is left

@@ -334,19 +334,85 @@ def test_a_waiting_take_waits_out_maxmemory(real, caplog):
             out.append(exc)
 
     waiting = threading.Thread(target=take)
+    patient = make(real, "h2")
+    patient.wait_slice = 30  # a cancel still lands within CANCEL_SLICE (it waited the slice)
+    cancel, cancelled = threading.Event(), []
+
+    def take_until_cancelled() -> None:
+        with pytest.raises(accumulator.CancelledError):
+            patient.take_grad(2, cancel=cancel)
+        cancelled.append(True)
+
+    stopping = threading.Thread(target=take_until_cancelled)
+    timed_out: list[str] = []
+    third = make(real, "h3")  # (opened before: opening writes)
+
+    def time_out_later() -> None:  # its timeout says Redis was full meanwhile, also when
+        with pytest.raises(accumulator.DeadlineExceededError) as err:  # it is no longer
+            third.take_grad(2, timeout=5)  # (Redis full for its first ~0.6 s only)
+        timed_out.append(str(err.value))
+
+    later = threading.Thread(target=time_out_later)
     r.config_set("maxmemory", 1, **on)
     try:
         with pytest.raises(accumulator.DeadlineExceededError, match="out of memory"):
             acc.take_grad(2, timeout=0.3)
-        waiting.start()
+        for thread in (waiting, stopping, later):
+            thread.start()
         time.sleep(0.5)
+        cancel.set()
+        stopping.join(4)  # (its wait on the blocking connection: 7 s)
+        assert cancelled == [True]
     finally:
         r.config_set("maxmemory", 0, **on)
+    later.join()
+    assert "Redis was out of memory (maxmemory) meanwhile" in timed_out[0]
     make(real).apply_grad(np.full(SMALL, 3.0))
     waiting.join()
     assert not isinstance(out[0], Exception), out
     np.testing.assert_array_equal(out[0], np.full(SMALL, 2.0))
     assert "Redis is out of memory (maxmemory): the take cannot wait in line" in caplog.text
+
+
+def test_takes_drain_a_full_server_and_readers_keep_their_rounds_at_maxmemory(
+    real, monkeypatch
+):
+    """At maxmemory a full round is claimed, read and freed (its claim's first write was a
+    HINCRBY, refused: the take waited on the round that held the memory), and a reader
+    renewing its claim keeps its round (the renewal's HSET was refused and the take failed)
+    (review of the lease renewal)."""
+    from accumulator import _chunks
+
+    r = real.redis()
+    shape = (1024, 1024)  # 4 MiB: read a part per window below, renewing in between
+    acc = make(real, shape=shape)
+    acc.claim_lease = 0.2  # renewed every 0.1 s
+    on: dict[str, Any] = {}
+    if real.kind == "cluster":
+        on["target_nodes"] = r.get_node_from_key(acc._keys.state)
+    acc.apply_grad(np.ones(shape))
+    acc.apply_grad(np.full(shape, 3.0))
+    windows = _chunks.windows
+    monkeypatch.setattr(_chunks, "windows", lambda parts, sources: windows(parts, sources, 1))
+    do, renewed = acc._do, []
+
+    def full_while_reading(request: Any) -> Any:
+        if "reading" in getattr(request, "what", ""):
+            r.config_set("maxmemory", 1, **on)
+            time.sleep(0.15)
+        reply = do(request)
+        if getattr(request, "name", "") == "renew":
+            renewed.append(reply)
+        return reply
+
+    monkeypatch.setattr(acc, "_do", full_while_reading)
+    r.config_set("maxmemory", 1, **on)
+    try:
+        np.testing.assert_array_equal(acc.take_grad(2, timeout=5), np.full(shape, 2.0))
+    finally:
+        r.config_set("maxmemory", 0, **on)
+    assert renewed and all(int(x) == 1 for x in renewed)
+    assert (acc.global_step(), acc.num_accumulated()) == (1, 0)
 
 
 def _parts_call(acc, nbytes: int, seq: int = 1):

@@ -308,3 +308,19 @@ def test_evict_gives_back_only_a_claim_the_registry_names(target):
     assert (acc.global_step(), acc.num_accumulated()) == (1, 0)
     assert accumulator._admin.evict(r, "r", "8-dead", drop=True) == "dropped"
     assert not r.exists(acc._keys.claim("8-dead"))
+
+
+def test_a_claim_key_of_another_type_does_not_stop_takes_or_the_tools(target):
+    """A value of another type (a foreign write) under a registered claim's name: takes pass
+    it by (its raw WRONGTYPE stopped every take at the head for good), `describe` skips it
+    and `delete` removes it (both failed on it) (review)."""
+    acc = make(target)
+    r = target.redis()
+    r.hset(acc._keys.claims, "9-dead", 0)  # registered, its lease run out long ago
+    r.set(acc._keys.claim("9-dead"), b"not a claim")
+    acc.apply_grad(np.full(SHAPE, 2.0))
+    np.testing.assert_array_equal(acc.take_grad(1, timeout=5), np.full(SHAPE, 2.0))
+    assert r.hget(acc._keys.claims, "9-dead") is None
+    assert accumulator._admin.describe(r, "r").claims == ()
+    assert accumulator._admin.delete(r, "r") >= 2
+    assert not r.exists(acc._keys.claim("9-dead"))
