@@ -243,7 +243,7 @@ def _at_maxmemory(acc: AccumulatorModel, exc: ResourceExhaustedError) -> str:
     """Log that a take waits for Redis to be under maxmemory again; what to add to its
     timeout's message."""
     logger.warning("take_grad on %r: Redis is out of memory (maxmemory): the take cannot "
-                   "wait in line or claim; it waits on (%s)", acc._shared_name, exc)  # fmt: skip
+                   "join the queue of takers; it waits on (%s)", acc._shared_name, exc)  # fmt: skip
     return "Redis was out of memory (maxmemory) meanwhile"
 
 

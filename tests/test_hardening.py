@@ -371,7 +371,7 @@ def test_a_waiting_take_waits_out_maxmemory(real, caplog):
     waiting.join()
     assert not isinstance(out[0], Exception), out
     np.testing.assert_array_equal(out[0], np.full(SMALL, 2.0))
-    assert "Redis is out of memory (maxmemory): the take cannot wait in line" in caplog.text
+    assert "Redis is out of memory (maxmemory): the take cannot join the queue" in caplog.text
 
 
 def test_takes_drain_a_full_server_and_readers_keep_their_rounds_at_maxmemory(
