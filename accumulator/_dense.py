@@ -9,6 +9,7 @@ import numpy as np
 
 from . import _reduce
 from ._apply import apply
+from ._claim import Claim
 from ._codec import (
     Shape,
     as_array,
@@ -27,7 +28,7 @@ from ._core import AccumulatorBase
 from ._errors import InvalidArgumentError
 from ._model import MAX_PAYLOAD_BYTES, AccumulatorModel
 from ._requests import Ops
-from ._take import Cancel, Claim, take
+from ._take import Cancel, take
 
 
 def checked_dense(grad: Any, dtype: np.dtype, shape: Shape) -> np.ndarray:

@@ -15,6 +15,7 @@ import numpy as np
 
 from . import _reduce
 from ._apply import apply
+from ._claim import Claim
 from ._codec import (
     as_array,
     check_payload_size,
@@ -31,7 +32,7 @@ from ._core import AccumulatorBase
 from ._errors import InvalidArgumentError
 from ._model import MAX_PAYLOAD_BYTES, AccumulatorModel
 from ._requests import Ops
-from ._take import Cancel, Claim, take
+from ._take import Cancel, take
 from ._tensors import torch_sparse_rows
 
 _INDEX_DTYPE = np.dtype("<i8")

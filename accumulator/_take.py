@@ -15,7 +15,6 @@ import os
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 from numbers import Real
 from typing import Any, Protocol, TypeVar
 
@@ -23,7 +22,8 @@ import numpy as np
 
 from . import _chunks, _model, _scripts
 from ._apply import committed, discard, sweep
-from ._codec import parse_shape_token, scalar_int
+from ._claim import Claim, claim_lease_ms, lease_renewal, parse_header, read_claim
+from ._codec import scalar_int
 from ._errors import (
     AccumulatorError,
     CancelledError,
@@ -36,7 +36,6 @@ from ._errors import (
 from ._keys import SCHEMA_VERSION, Keys
 from ._model import AccumulatorModel
 from ._requests import Batch, Call, Command, Listen, Ops, Pop, Subscribe, Unsubscribe
-from ._stream import ClaimReader, Renewal, Source
 
 logger = logging.getLogger("accumulator")
 
@@ -52,28 +51,6 @@ class Cancel(Protocol):
     def is_set(self) -> bool:
         """Whether the take must stop."""
         ...
-
-
-@dataclass(frozen=True)
-class Claim:
-    """A round a take claimed: the new global step, the round shape, the payload bytes it
-    holds, and a reader of its payloads (in apply order)."""
-
-    step: int
-    count: int
-    round_shape: tuple[int, ...] | None
-    nbytes: int
-    reader: ClaimReader
-
-
-def _parse_header(raw: bytes) -> tuple[int, int, int, tuple[int, ...] | None]:
-    """(step, count, bytes, round shape) of a claim header ``"<step> <count> <bytes> <gen>
-    <0|1> <shape>"``."""
-    parts = raw.decode().split(" ", 5)
-    if len(parts) != 6:
-        raise AccumulatorError(f"unreadable claim header {raw[:100]!r}")
-    shape = parse_shape_token(parts[5]) if parts[4] == "1" else None
-    return int(parts[0]), int(parts[1]), int(parts[2]), shape
 
 
 def leave_call(keys: Keys, taker: str, schema: int = SCHEMA_VERSION) -> Call:
@@ -182,7 +159,7 @@ def take(
             if int(reply[0]) == 1:
                 entries = reply[1]
                 if len(reply) > 3 and int(reply[3] or 0):
-                    step, count, _, _ = _parse_header(entries[0])
+                    step, count, _, _ = parse_header(entries[0])
                     logger.warning(
                         "take_grad on %r took over a round claimed by a taker that is "
                         "gone (its claim lease ran out): step %d, %d gradients",
@@ -218,7 +195,7 @@ def take(
                 yield Unsubscribe(queue)
                 queue = None
         claim = read_claim(acc, entries, claim_key, reply[4] if len(reply) > 4 else None,
-                           renewal=_renewal(acc, taker, entries))  # fmt: skip
+                           renewal=lease_renewal(acc, taker, entries))  # fmt: skip
         try:
             result = yield from decode(claim)  # reads the payloads as it goes
         except AccumulatorError as exc:
@@ -434,7 +411,7 @@ def take_script_args(
     k = acc._keys
     keys = [k.state, k.grads, k.takers, k.taker_info, k.claim(taker), k.wake, k.queue_wake,
             k.quarantine, k.claims, k.orphans]  # fmt: skip
-    claim_ms = _claim_ms(acc)
+    claim_ms = claim_lease_ms(acc)
     args = [acc._schema, taker, n, lease_ms, "s" if acc._kind == "sparse" else "d",
             acc.dtype.itemsize, claim_ms, _model.CLAIM_LEASE_MS_PER_MIB, acc._instance,
             len(checked or ())]  # fmt: skip
@@ -443,44 +420,3 @@ def take_script_args(
     return keys, args
 
 
-def _claim_ms(acc: AccumulatorModel) -> int:
-    """The base of a claim's lease, in ms (``claim_lease``, or the default)."""
-    return _model.CLAIM_LEASE_MS if acc.claim_lease is None else int(acc.claim_lease * 1000)
-
-
-def _renewal(acc: AccumulatorModel, taker: str, entries: list[bytes]) -> Renewal:
-    """The renewal of a claim's lease (``lua/renew.lua``) while its round is read: due after
-    half the lease's base, each renewal leasing the claim again as long as at its claim."""
-    k = acc._keys
-    _, _, nbytes, _ = _parse_header(entries[0])
-    claim_ms = _claim_ms(acc)
-    call = Call("take_grad (renewing the claim)", "renew", [k.state, k.claim(taker), k.claims],
-                [taker, claim_ms, _model.CLAIM_LEASE_MS_PER_MIB, nbytes, len(entries) - 1])
-    return Renewal(call, claim_ms / 2000)
-
-
-def read_claim(
-    acc: AccumulatorModel, entries: list[bytes], claim_key: str, payloads: list[Any] | None = None,
-    renewal: Renewal | None = None,
-) -> Claim:
-    """The claimed round (its payloads are read on demand, in chunks). ``payloads``: those
-    the take script sent along (``payloads[i]`` is entry ``i``'s, or None): not read again.
-    ``renewal``: renews the claim's lease while it is read."""
-    step, count, nbytes, round_shape = _parse_header(entries[0])
-    sources: list[Source] = []
-    sent_keys: list[bytes] = []  # the keys of payloads that came with the claim
-    for i, entry in enumerate(entries[1:]):
-        keys = acc._keys.entry_keys(entry)
-        if keys is None:  # the take script checked every entry: this is not ours to follow
-            raise AccumulatorError(f"corrupt entry in claim {claim_key}: {entry[:100]!r}")
-        sent = payloads[i] if payloads is not None and i < len(payloads) else None
-        if entry[:1] == b"i":
-            sources.append(entry[1:])
-        elif sent is not None and len(keys) == 1:
-            sources.append(sent)
-            sent_keys += keys
-        else:  # a gradient being folded into the sum holds its parts from k on
-            sources.append([None] * acc._keys.entry_first_part(entry) + list(keys))
-    # count (the header's) is the number of gradients: a sum kept in Redis holds several
-    reader = ClaimReader(sources, claim_key, sent_keys, renewal)
-    return Claim(step, count, round_shape, nbytes, reader)
