@@ -16,7 +16,8 @@ if #KEYS ~= 3 or #ARGV ~= 5 or claim ~= base .. ':c:' .. me or not is_own(base, 
     or not is_count(ARGV[4]) or not is_count(ARGV[5]) then
   return acc_error('BADARG renew')
 end
-local err = check_acl({'HSET', registry, 'HDEL', registry, 'HGET', registry, 'EXISTS', claim})
+local err = check_acl({'HSET', registry, 'HDEL', registry, 'HGET', registry, 'EXISTS', claim,
+  'TIME', false})
 if err then return err end
 err = check_types({registry, 'hash', claim, 'list'})
 if err then return err end
