@@ -42,24 +42,23 @@ def claim_lease_ms(acc: AccumulatorModel) -> int:
     return _model.CLAIM_LEASE_MS if acc.claim_lease is None else int(acc.claim_lease * 1000)
 
 
-def lease_renewal(acc: AccumulatorModel, taker: str, entries: list[bytes]) -> Renewal:
+def _lease_renewal(acc: AccumulatorModel, taker: str, nbytes: int, entries: int) -> Renewal:
     """The renewal of a claim's lease (``lua/renew.lua``) while its round is read: due after
     half the lease's base, each renewal leasing the claim again as long as at its claim."""
     k = acc._keys
-    _, _, nbytes, _ = parse_header(entries[0])
     claim_ms = claim_lease_ms(acc)
     call = Call("take_grad (renewing the claim)", "renew", [k.state, k.claim(taker), k.claims],
-                [taker, claim_ms, _model.CLAIM_LEASE_MS_PER_MIB, nbytes, len(entries) - 1])
+                [taker, claim_ms, _model.CLAIM_LEASE_MS_PER_MIB, nbytes, entries])
     return Renewal(call, claim_ms / 2000)
 
 
 def read_claim(
-    acc: AccumulatorModel, entries: list[bytes], claim_key: str, payloads: list[Any] | None = None,
-    renewal: Renewal | None = None,
+    acc: AccumulatorModel, entries: list[bytes], taker: str, payloads: list[Any] | None = None
 ) -> Claim:
-    """The claimed round (its payloads are read on demand, in chunks). ``payloads``: those
-    the take script sent along (``payloads[i]`` is entry ``i``'s, or None): not read again.
-    ``renewal``: renews the claim's lease while it is read."""
+    """The round ``taker`` claimed (its payloads are read on demand, in chunks, the claim's
+    lease renewed meanwhile). ``payloads``: those the take script sent along (``payloads[i]``
+    is entry ``i``'s, or None): not read again."""
+    claim_key = acc._keys.claim(taker)
     step, count, nbytes, round_shape = parse_header(entries[0])
     sources: list[Source] = []
     sent_keys: list[bytes] = []  # the keys of payloads that came with the claim
@@ -76,5 +75,6 @@ def read_claim(
         else:  # a gradient being folded into the sum holds its parts from k on
             sources.append([None] * acc._keys.entry_first_part(entry) + list(keys))
     # count (the header's) is the number of gradients: a sum kept in Redis holds several
+    renewal = _lease_renewal(acc, taker, nbytes, len(entries) - 1)
     reader = ClaimReader(sources, claim_key, sent_keys, renewal)
     return Claim(step, count, round_shape, nbytes, reader)

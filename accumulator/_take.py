@@ -22,7 +22,7 @@ import numpy as np
 
 from . import _chunks, _model, _scripts
 from ._apply import committed, discard, sweep
-from ._claim import Claim, claim_lease_ms, lease_renewal, parse_header, read_claim
+from ._claim import Claim, claim_lease_ms, parse_header, read_claim
 from ._codec import scalar_int
 from ._errors import (
     AccumulatorError,
@@ -126,18 +126,12 @@ def take(
                 try:
                     reply = yield take_call
                 except ResourceExhaustedError as exc:
-                    if exc.reason != "OOM":
-                        raise
                     # Redis at maxmemory (briefly, often: a large apply's parts refused): a
                     # take waits it out, as it waits for gradients; nothing was changed
                     full = full or _at_maxmemory(acc, exc)
-                    wait = acc.wait_slice if cancel is None else min(acc.wait_slice,
-                                                                     CANCEL_SLICE)  # fmt: skip
-                    if deadline is not None:
-                        wait = min(wait, deadline - time.monotonic())
-                        if wait <= 0:
-                            message = yield from _timeout_message(acc, n, seconds or 0.0)
-                            raise DeadlineExceededError(f"{message}; {full}") from exc
+                    wait = _wait_slice(acc, cancel, deadline)
+                    if wait <= 0:
+                        raise (yield from _timed_out(acc, n, seconds, full)) from exc
                     # a wait on a list nobody pushes (not the head's wake list: a taker
                     # behind it would take its wake-up)
                     yield Pop(k.idle, max(wait, 0.001), until=deadline)
@@ -166,12 +160,9 @@ def take(
                         acc._shared_name, step, count,
                     )  # fmt: skip
                 break
-            wait = acc.wait_slice if cancel is None else min(acc.wait_slice, CANCEL_SLICE)
-            if deadline is not None:
-                wait = min(wait, deadline - time.monotonic())
-                if wait <= 0:
-                    message = yield from _timeout_message(acc, n, seconds or 0.0)
-                    raise DeadlineExceededError(f"{message}; {full}" if full else message)
+            wait = _wait_slice(acc, cancel, deadline)
+            if wait <= 0:
+                raise (yield from _timed_out(acc, n, seconds, full))
             # Wake-ups are hints: the take script re-checks after every one.
             at_head, reply = int(reply[1]) == 1, None
             if at_head:
@@ -184,8 +175,6 @@ def take(
                 try:
                     reply = yield Pop(k.wake, max(wait, 0.001), then=take_call, until=deadline)
                 except ResourceExhaustedError as exc:
-                    if exc.reason != "OOM":
-                        raise
                     full = full or _at_maxmemory(acc, exc)  # (the call again, at the top)
             elif queue is None:
                 # Queued: a head change is broadcast. Subscribe, then re-check at once,
@@ -194,8 +183,7 @@ def take(
             elif not (yield Listen(queue, max(wait, 0.001), until=deadline)):
                 yield Unsubscribe(queue)
                 queue = None
-        claim = read_claim(acc, entries, claim_key, reply[4] if len(reply) > 4 else None,
-                           renewal=lease_renewal(acc, taker, entries))  # fmt: skip
+        claim = read_claim(acc, entries, taker, reply[4] if len(reply) > 4 else None)
         try:
             result = yield from decode(claim)  # reads the payloads as it goes
         except AccumulatorError as exc:
@@ -216,9 +204,26 @@ def take(
     return result
 
 
+def _wait_slice(acc: AccumulatorModel, cancel: Cancel | None, deadline: float | None) -> float:
+    """Seconds a take waits before it looks again: a slice (short with a ``cancel`` to look
+    at), no further than its deadline (0 or less: the deadline passed)."""
+    wait = acc.wait_slice if cancel is None else min(acc.wait_slice, CANCEL_SLICE)
+    return wait if deadline is None else min(wait, deadline - time.monotonic())
+
+
+def _timed_out(
+    acc: AccumulatorModel, n: int, seconds: float | None, full: str
+) -> Ops[DeadlineExceededError]:
+    """The error of a take whose deadline passed (``full``: Redis was at maxmemory)."""
+    message = yield from _timeout_message(acc, n, seconds or 0.0)
+    return DeadlineExceededError(f"{message}; {full}" if full else message)
+
+
 def _at_maxmemory(acc: AccumulatorModel, exc: ResourceExhaustedError) -> str:
     """Log that a take waits for Redis to be under maxmemory again; what to add to its
-    timeout's message."""
+    timeout's message. ``exc`` is raised again unless it is Redis's OOM refusal."""
+    if exc.reason != "OOM":
+        raise exc
     logger.warning("take_grad on %r: Redis is out of memory (maxmemory): the take cannot "
                    "join the queue of takers; it waits on (%s)", acc._shared_name, exc)  # fmt: skip
     return "Redis was out of memory (maxmemory) meanwhile"
