@@ -13,7 +13,7 @@ import redis
 from redis.exceptions import OutOfMemoryError
 
 from . import _scripts
-from ._admin_read import _not_found, _scan, list_accumulators
+from ._admin_read import _listed, _not_found, _scan, list_accumulators
 from ._connection import atomically, require_transactions
 from ._core import leave
 from ._errors import (
@@ -169,23 +169,13 @@ def _delete_named(r: redis.Redis, keys: Keys) -> int:
     entries, orphans, removed = atomically(r, queue, raise_on_error=False)
     # a key of another type where the round or the orphans belong (written by another
     # program) names nothing: it is deleted with the others (WRONGTYPE stopped delete)
-    entries, orphans = (_named_by(reply) for reply in (entries, orphans))
+    entries, orphans = (_listed(reply) for reply in (entries, orphans))
     if isinstance(removed, Exception):
         raise removed
     # spread payloads not in the round: registered, dropped, taken (their parts elsewhere)
     removed = int(removed) + _unlink(r, keys.orphan_parts(orphans))
     # round entries are untrusted: only this accumulator's own payload keys are deleted
     return removed + _unlink(r, keys.payload_keys(entries))
-
-
-def _named_by(reply: Any) -> list[Any]:
-    """A read of :func:`_delete_named`'s transaction: the keys it names; none for a value of
-    another type (any other error is raised)."""
-    if isinstance(reply, Exception):
-        if "WRONGTYPE" not in str(reply):
-            raise reply
-        return []
-    return list(reply)
 
 
 def _group_by_owner(found: set[bytes], accumulators: list[Keys]) -> dict[str, list[bytes]]:
@@ -211,13 +201,14 @@ def _delete_found(r: redis.Redis, keys: Keys, found: list[bytes]) -> int:
     batch)."""
     rest = sorted(key for key in found if not key.startswith(keys.spread_head))
     claimed: list[bytes] = []
-    for name in rest:
-        if name.startswith(keys.claim("").encode()):
-            try:
-                claimed += [e for e in r.lrange(name, 1, -1) if isinstance(e, bytes)]
-            except redis.ResponseError as exc:  # another type: no claim, deleted all the same
-                if "WRONGTYPE" not in str(exc):
-                    raise
+    claims = [name for name in rest if name.startswith(keys.claim("").encode())]
+    if claims:
+        pipe = r.pipeline(transaction=False)
+        for name in claims:
+            pipe.lrange(name, 1, -1)
+        # (a value of another type under a claim's name is no claim: deleted all the same)
+        for reply in pipe.execute(raise_on_error=False):
+            claimed += [e for e in _listed(reply) if isinstance(e, bytes)]
     own = (keys.base + ":").encode()
     payloads = keys.payload_keys(claimed)
     rest += [key for key in payloads if key.startswith(own)]

@@ -209,6 +209,16 @@ def _memory_usage(r: redis.Redis, keys: Iterable[bytes]) -> int | None:
     return total
 
 
+def _listed(reply: Any) -> list[Any]:
+    """A list or zset read's items; none when the key holds a value of another type (a
+    foreign write where ours belongs names nothing); any other error is raised."""
+    if isinstance(reply, Exception):
+        if "WRONGTYPE" not in str(reply):
+            raise reply
+        return []
+    return list(reply)
+
+
 def _last_expiry(r: redis.Redis, keys: list[bytes]) -> int | None:
     """Milliseconds until the last of ``keys`` expires; -1 when one never does (left by a
     command cut short); None when the server refuses PTTL."""
@@ -249,7 +259,7 @@ def _left_claims(
     if isinstance(registry, Exception):
         raise registry
     # a value of another type under a claim's name is no claim (a foreign write): skipped
-    contents = [[] if isinstance(c, Exception) else c for c in contents]
+    contents = [_listed(c) for c in contents]
     # entries are untrusted: only this accumulator's own payload keys are looked at
     blob_refs = [keys.payload_keys(c[1:]) for c in contents]
     all_blobs = [b for refs in blob_refs for b in refs]
