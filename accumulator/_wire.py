@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 import redis
 
-from ._direct import pooled
+from ._direct import pooled, send_pieces
 from ._routing import by_node, is_cluster, is_redirect
 
 _RECV = 65536
@@ -219,7 +219,7 @@ def _send_gets(
         return None
     commands = [("GET", key) for key in keys]
     try:
-        conn.send_packed_command(conn.pack_commands([lead, *commands] if lead else commands))
+        send_pieces(conn, conn.pack_commands([lead, *commands] if lead else commands))
     except BaseException:
         conn.disconnect()
         pool.release(conn)
