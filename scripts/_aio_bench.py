@@ -1,7 +1,7 @@
 """The asyncio twins against the synchronous classes (``scripts/bench.py``): one round, 4
 applies then take(4), on the same server and sizes, interleaved run by run. A ratio, not a
 target from an issue: what ``accumulator.aio`` costs over the synchronous driver (its
-protocol is the same; the I/O is redis.asyncio's, without the zero-copy receive)."""
+protocol is the same; the I/O is redis.asyncio's, large reads in place in a worker thread)."""
 
 from __future__ import annotations
 

@@ -8,6 +8,8 @@ import asyncio
 import contextlib
 import logging
 import random
+import threading
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -19,7 +21,7 @@ from _helpers import aclient, aconnect
 
 import accumulator
 from accumulator import aio
-from accumulator._requests import Batch, Call
+from accumulator._requests import Batch, Call, Receive, ReceiveAll
 
 LARGE = (300_000,)  # 1.2 MB of float32: parts, and folds on the module path
 
@@ -171,6 +173,11 @@ def test_a_woken_take_claims_in_the_round_trip_of_its_wait(real, monkeypatch):
     other.close()
 
 
+def _reading(request: Any) -> bool:
+    """A request reading a claimed round: in place (a real server) or as a batch."""
+    return isinstance(request, (Batch, Receive, ReceiveAll)) and "reading" in request.what
+
+
 def _cancel_at(acc: Any, match: Callable[[Any], bool], *, started: bool = False,
                cancel: Callable[[asyncio.Task[Any]], Any] | None = None) -> None:  # fmt: skip
     """Cancel the task running ``acc``'s protocol at a matching request: before it is sent,
@@ -204,7 +211,7 @@ def test_a_take_cancelled_while_reading_its_round_gives_it_back(target):
         async with dense(target, LARGE) as acc:
             for v in (1.0, 3.0):
                 await acc.apply_grad(np.full(LARGE, v, np.float32))
-            _cancel_at(acc, lambda r: isinstance(r, Batch) and "reading" in r.what)
+            _cancel_at(acc, _reading)
             with pytest.raises(asyncio.CancelledError):
                 await acc.take_grad(2)
             del acc._do
@@ -235,7 +242,7 @@ def test_a_second_cancel_while_a_take_gives_its_round_back_waits_for_it(target, 
         async with dense(target, LARGE) as acc:
             for v in (1.0, 3.0):
                 await acc.apply_grad(np.full(LARGE, v, np.float32))
-            _cancel_at(acc, lambda r: isinstance(r, Batch) and "reading" in r.what)
+            _cancel_at(acc, _reading)
             monkeypatch.setattr(aio_core, "advance", cancel_as_it_gives_back)
             with pytest.raises(asyncio.CancelledError):
                 await acc.take_grad(2)
@@ -673,5 +680,78 @@ def test_a_closed_object_given_bad_input_says_it_is_closed_in_both_twins(target)
         await acc.aclose()
         with pytest.raises(accumulator.CancelledError, match="closed"):
             await acc.apply_grad(np.ones(4))
+
+    run(main)
+
+
+def test_a_large_take_is_received_in_place_off_the_event_loop(target, monkeypatch):
+    """A real server's payloads are read straight into the result by a synchronous twin in a
+    worker thread (redis.asyncio's reads copied each value three times); fakeredis has no
+    twin and reads the ordinary way. Either way the take is exact."""
+    from accumulator.aio import _receive
+
+    replies: list[Any] = []
+    threads: list[str] = []
+    inner = _receive._receive
+
+    def counted(client: Any, request: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        reply = inner(client, request)
+        replies.append(reply)
+        return reply
+
+    monkeypatch.setattr(_receive, "_receive", counted)
+
+    async def main() -> None:
+        async with dense(target, LARGE) as acc:
+            for v in (1.0, 3.0):
+                await acc.apply_grad(np.full(LARGE, v, np.float32))
+            np.testing.assert_array_equal(await acc.take_grad(2, timeout=5), np.full(LARGE, 2))
+
+    run(main)
+    assert replies and threading.main_thread().name not in threads
+    if target.kind == "fake":
+        assert all(r is None for r in replies)
+    else:
+        assert all(r is not None for r in replies)
+
+
+def test_a_take_cancelled_while_its_thread_reads_returns_once_the_read_ended(
+    target, monkeypatch
+):
+    """The worker thread writes into the take's buffers until its read ends: a cancelled
+    take waits for that (a second cancel too) before it gives its round back and returns."""
+    from accumulator.aio import _receive
+
+    ended: list[float] = []
+    inner = _receive._receive
+
+    def slow(client: Any, request: Any) -> Any:
+        time.sleep(0.3)
+        try:
+            return inner(client, request)
+        finally:
+            ended.append(time.monotonic())
+
+    monkeypatch.setattr(_receive, "_receive", slow)
+
+    async def main() -> None:
+        async with dense(target, LARGE) as acc:
+            for v in (1.0, 3.0):
+                await acc.apply_grad(np.full(LARGE, v, np.float32))
+
+            def cancel_twice(task: asyncio.Task[Any]) -> None:
+                task.cancel()
+                asyncio.get_running_loop().call_later(0.05, task.cancel)
+
+            _cancel_at(acc, lambda r: isinstance(r, (Receive, ReceiveAll)), started=True,
+                       cancel=cancel_twice)  # fmt: skip
+            with pytest.raises(asyncio.CancelledError):
+                await acc.take_grad(2)
+            assert ended  # the read had ended when the cancellation came through
+            del acc._do
+            monkeypatch.undo()
+            assert (await acc.num_accumulated(), await acc.global_step()) == (2, 0)
+            np.testing.assert_array_equal(await acc.take_grad(2, timeout=5), np.full(LARGE, 2))
 
     run(main)

@@ -37,6 +37,7 @@ from .._urls import (
     sentinel_parts,
     url_options,
 )
+from ._receive import close_reader
 
 
 @dataclass
@@ -55,6 +56,7 @@ class AsyncConnections:
         for client in (self.blocking, self.commands):
             for node in getattr(client, "_accumulator_nodes", {}).values():
                 await node.aclose()
+            close_reader(client)
             await client.aclose()
             pool = getattr(client, "connection_pool", None)  # a cluster client has none
             if pool is not None:

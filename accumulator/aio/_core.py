@@ -44,6 +44,7 @@ from ._connection import (
     node_client,
     pooled,
 )
+from ._receive import receive
 
 logger = logging.getLogger("accumulator")
 
@@ -336,7 +337,8 @@ class AccumulatorBase(AccumulatorModel):
         if isinstance(request, Batch):
             return await self._io(request.what, lambda: self._batch(commands, request))
         if isinstance(request, (Receive, ReceiveAll)):
-            return None  # no zero-copy receive here: the protocol reads the ordinary way
+            # in place, on a synchronous twin in a worker thread (None: the ordinary way)
+            return await self._io(request.what, lambda: receive(commands, request))
         if isinstance(request, Pop):
             then: list[Any] = []  # the reply of request.then, when made here
             if is_cluster(conns.blocking):  # routed by key; short slices keep it closable
