@@ -755,3 +755,75 @@ def test_a_take_cancelled_while_its_thread_reads_returns_once_the_read_ended(
             np.testing.assert_array_equal(await acc.take_grad(2, timeout=5), np.full(LARGE, 2))
 
     run(main)
+
+
+def test_a_client_whose_twin_cannot_log_in_reads_the_ordinary_way(target, monkeypatch):
+    """Credentials from a provider are not the twin's: such a client reads the ordinary way,
+    as does one whose twin is refused at login (the take raised AuthenticationError)."""
+    from redis.credentials import UsernamePasswordCredentialProvider
+
+    from accumulator.aio import _receive
+
+    provider = UsernamePasswordCredentialProvider("default", "pw")
+    assert _receive._twin(aioredis.Redis(credential_provider=provider)) == _receive._NONE
+
+    def refused(*args: Any) -> Any:
+        raise redis.AuthenticationError("invalid username-password pair")
+
+    monkeypatch.setattr(_receive, "get_into", refused)
+    monkeypatch.setattr(_receive, "get_all_into", refused)
+
+    async def main() -> None:
+        async with dense(target, LARGE) as acc:
+            for v in (1.0, 3.0):
+                await acc.apply_grad(np.full(LARGE, v, np.float32))
+            np.testing.assert_array_equal(await acc.take_grad(2, timeout=5), np.full(LARGE, 2))
+            if target.kind != "fake":
+                assert acc._conns.commands.__dict__[_receive._ATTR] == _receive._NONE
+
+    run(main)
+
+
+def test_no_twin_is_made_for_a_closed_client_and_a_second_one_made_is_closed(monkeypatch):
+    """A read still running when its accumulator closed makes no twin that nothing would
+    close; of two threads making one at once, the second closes its own."""
+    from accumulator.aio import _receive
+
+    class Twin:
+        closed = 0
+
+        def close(self) -> None:
+            self.closed += 1
+
+    class Client:
+        pass
+
+    made: list[Twin] = []
+
+    def make(client: Any) -> Twin:
+        made.append(Twin())
+        return made[-1]
+
+    monkeypatch.setattr(_receive, "_twin", make)
+    closed = Client()
+    _receive.close_reader(closed)
+    assert _receive._reader(closed) is None and made == []  # closed before: none made
+
+    def closing_meanwhile(client: Any) -> Twin:
+        _receive.close_reader(client)
+        return make(client)
+
+    monkeypatch.setattr(_receive, "_twin", closing_meanwhile)
+    assert _receive._reader(Client()) is None and made[0].closed == 1
+
+    client = Client()
+    first = Twin()
+
+    def second(client: Any) -> Twin:
+        client.__dict__.setdefault(_receive._ATTR, first)  # another thread's, just stored
+        return make(client)
+
+    monkeypatch.setattr(_receive, "_twin", second)
+    assert _receive._reader(client) is first and made[1].closed == 1 and first.closed == 0
+    _receive.close_reader(client)
+    assert first.closed == 1 and _receive._reader(client) is None

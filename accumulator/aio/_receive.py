@@ -28,47 +28,80 @@ logger = logging.getLogger("accumulator")
 
 _ATTR = "_accumulator_reader"
 _NONE = "none"  # kept on a client that has no twin
-_LOCK = threading.Lock()
+_CLOSED = "closed"  # kept on a closed client: no twin is made for it any more
+_LOCK = threading.Lock()  # guards the attribute only: nothing is sent while it is held
+
+
+def _twin(client: Any) -> Any:
+    """A synchronous twin of ``client``, or ``_NONE``: (fakeredis, a Sentinel-managed pool,
+    credentials from a provider, which the twin would not have) never."""
+    if isinstance(client, AsyncRedisCluster):
+        return twin_cluster(client)
+    settings = getattr(getattr(client, "connection_pool", None), "connection_kwargs", {})
+    if settings.get("credential_provider") is not None:
+        return _NONE
+    return twin_client(client)
 
 
 def _reader(client: Any) -> Any:
     """The synchronous twin of the asyncio ``client`` (made on first use, kept on it), or
     None. Called in the worker thread: a cluster twin loads its slot map when made."""
-    with _LOCK:
-        reader = client.__dict__.get(_ATTR)
-        if reader is None:
-            try:
-                if isinstance(client, AsyncRedisCluster):
-                    reader = twin_cluster(client)
-                else:
-                    reader = twin_client(client)
-            except TypeError:
-                reader = _NONE  # (fakeredis, a Sentinel-managed pool): never
-            except redis.RedisError as exc:  # (a cluster unreachable now): not this time
-                logger.debug("no synchronous reader for the asyncio client yet: %s", exc)
-                return None
-            client.__dict__[_ATTR] = reader
-    return None if reader == _NONE else reader
+    state = client.__dict__.get(_ATTR)
+    if state is None:
+        try:
+            made = _twin(client)
+        except TypeError:
+            made = _NONE
+        except redis.RedisError as exc:  # (a cluster unreachable now): not this time
+            logger.debug("no synchronous reader for the asyncio client yet: %s", exc)
+            return None
+        with _LOCK:
+            state = client.__dict__.setdefault(_ATTR, made)
+        if state is not made:  # another thread's was first, or the client closed meanwhile
+            _close(made)
+    return None if state in (_NONE, _CLOSED) else state
+
+
+def _close(reader: Any) -> None:
+    if reader in (_NONE, _CLOSED, None):
+        return
+    reader.close()
+    pool = getattr(reader, "connection_pool", None)
+    if pool is not None:
+        pool.disconnect()
 
 
 def close_reader(client: Any) -> None:
-    """Close ``client``'s twin, if it has one (with the client)."""
+    """Close ``client``'s twin, if it has one, for good (with the client)."""
     with _LOCK:
-        reader = client.__dict__.pop(_ATTR, None)
-    if reader is not None and reader != _NONE:
-        reader.close()
-        pool = getattr(reader, "connection_pool", None)
-        if pool is not None:
-            pool.disconnect()
+        reader = client.__dict__.get(_ATTR)
+        client.__dict__[_ATTR] = _CLOSED
+    _close(reader)
+
+
+def _not_for_twin(client: Any) -> None:
+    """The twin cannot log in as the client does: read the ordinary way from now on."""
+    with _LOCK:
+        reader = client.__dict__.get(_ATTR)
+        if reader in (_NONE, _CLOSED):
+            return
+        client.__dict__[_ATTR] = _NONE
+    _close(reader)
 
 
 def _receive(client: Any, request: Receive | ReceiveAll) -> Any:
     reader = _reader(client)
     if reader is None:
         return None
-    if isinstance(request, Receive):
-        return get_into(reader, request.keys, request.outs)
-    return get_all_into(reader, request.keys, request.into)
+    try:
+        if isinstance(request, Receive):
+            return get_into(reader, request.keys, request.outs)
+        return get_all_into(reader, request.keys, request.into)
+    except redis.AuthenticationError as exc:
+        logger.info("asyncio reads of large values: the synchronous reader could not log in "
+                    "(%s); reading the ordinary way", type(exc).__name__)  # fmt: skip
+        _not_for_twin(client)
+        return None
 
 
 async def receive(client: Any, request: Receive | ReceiveAll) -> Any:
@@ -78,7 +111,7 @@ async def receive(client: Any, request: Receive | ReceiveAll) -> Any:
     Cancelled, it still waits for the thread to end its read (bounded by the socket timeout):
     the thread writes into the request's buffers until then, and a buffer the caller reuses
     (the sparse take's) must not be written after the caller has moved on."""
-    if client.__dict__.get(_ATTR) == _NONE:
+    if client.__dict__.get(_ATTR) in (_NONE, _CLOSED):
         return None  # known to have no twin: no thread for that
     future = asyncio.get_running_loop().run_in_executor(None, _receive, client, request)
     try:
@@ -89,4 +122,6 @@ async def receive(client: Any, request: Receive | ReceiveAll) -> Any:
                 await asyncio.wait([future])
             except asyncio.CancelledError:
                 continue
+        if not future.cancelled():
+            future.exception()  # retrieved: the read's own failure goes with the cancel
         raise
