@@ -48,6 +48,11 @@ BLOCKING_TIMEOUT = WAIT_SLICE + 5.0
 _BIG_ARG = 64 * 1024
 
 
+#: How many of (is_retryable, with_failure_count) redis-py's ``call_with_retry`` takes (none
+#: before 7.0 (asyncio: 8.0), is_retryable from 7.0, both from 8.0).
+_RETRY_EXTRA = len(inspect.signature(Retry.call_with_retry).parameters) - 3
+
+
 class _Retry(Retry):
     """redis-py's ``Retry`` retrying connection faults only (a few quick retries ride out a
     reconnect; the scripts make a re-sent apply or take count once). A timeout is not retried:
@@ -71,7 +76,8 @@ class _Retry(Retry):
                     fail(error)
                 raise
 
-        return super().call_with_retry(once, fail, is_retryable, with_failure_count)
+        extra: tuple[Any, ...] = (is_retryable, with_failure_count)[:_RETRY_EXTRA]
+        return super().call_with_retry(once, fail, *extra)
 
 
 def _retry() -> Retry:

@@ -15,7 +15,7 @@ import pytest
 import redis
 from _helpers import connect
 
-from accumulator import _connection, _module
+from accumulator import _connection, _direct, _module
 from accumulator.testing import LocalCluster, RedisServer, find_server_binary
 
 
@@ -181,4 +181,11 @@ def sends(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(redis.connection.AbstractConnection, "send_packed_command", send)
+    gathered = _direct._gathered
+
+    def gather(sock: Any, views: Any) -> None:  # our own sends of several pieces (sendmsg)
+        count[0] += 1
+        gathered(sock, views)
+
+    monkeypatch.setattr(_direct, "_gathered", gather)
     return count

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import inspect
 import sys
 import threading
 from collections.abc import Awaitable, Callable, Sequence
@@ -78,6 +79,11 @@ _SHARED: dict[object, _Entry] = {}
 _LOCK = threading.Lock()
 
 
+#: How many of (is_retryable, with_failure_count) redis-py's ``call_with_retry`` takes (none
+#: before 7.0 (asyncio: 8.0), is_retryable from 7.0, both from 8.0).
+_RETRY_EXTRA = len(inspect.signature(Retry.call_with_retry).parameters) - 3
+
+
 class _Retry(Retry):
     """As the synchronous clients' (``accumulator._connection._Retry``): connection faults
     retried, timeouts not, but still given to redis-py's failure handler, which drops the
@@ -97,7 +103,8 @@ class _Retry(Retry):
                     await fail(error)
                 raise
 
-        return await super().call_with_retry(once, fail, is_retryable, with_failure_count)
+        extra: tuple[Any, ...] = (is_retryable, with_failure_count)[:_RETRY_EXTRA]
+        return await super().call_with_retry(once, fail, *extra)
 
 
 def _retry() -> Retry:
