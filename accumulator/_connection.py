@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import logging
+import re
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ from redis.retry import Retry
 from redis.sentinel import SentinelConnectionPool
 
 from . import _retry as retrying
-from ._errors import PermissionDeniedError
+from ._errors import FailedPreconditionError, PermissionDeniedError
 from ._retry import RETRY_WINDOW
 from ._urls import (
     CONNECT_TIMEOUT,
@@ -482,9 +483,29 @@ def new_cluster(make: Callable[[], RedisCluster]) -> RedisCluster:
         raise ours from exc
 
 
+#: The oldest redis-py whose cluster client does what ours needs: transactions on one slot
+#: (MULTI/EXEC through its pipeline) with their replies parsed, and pub/sub.
+CLUSTER_REDIS_PY = (8, 0)
+
+
+def require_cluster_client() -> None:
+    """:class:`FailedPreconditionError` when this redis-py is too old for a Redis Cluster
+    (5.x's cluster pipeline refuses transactions, 6.0's cluster client has no pub/sub for the
+    sync helper, and up to 7.x a cluster transaction's replies come back unparsed): said at
+    the connection, not as a confusing failure in the middle of a take."""
+    version = tuple(int(x) for x in re.findall(r"\d+", redis.__version__)[:2])
+    if version < CLUSTER_REDIS_PY:
+        raise FailedPreconditionError(
+            f"Redis Cluster needs redis-py >= {'.'.join(map(str, CLUSTER_REDIS_PY))} (this "
+            f"is {redis.__version__}); plain servers and Sentinel work from 5.3: "
+            f"pip install -U 'redis>={'.'.join(map(str, CLUSTER_REDIS_PY))}'"
+        )
+
+
 def _cluster(client: RedisCluster | str, socket_timeout: float) -> Any:
     """A cluster client like the one given (its nodes, credentials and TLS; a URL's), that
     replies bytes, with our timeouts and retries."""
+    require_cluster_client()
     settings: dict[str, Any] = dict(decode_responses=False, socket_timeout=socket_timeout,
                                     socket_connect_timeout=CONNECT_TIMEOUT,
                                     retry=cluster_retry())  # fmt: skip

@@ -24,7 +24,14 @@ from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
 from redis.exceptions import ResponseError
 
 from .. import _scripts
-from .._connection import BLOCKING_TIMEOUT, node_settings, release, sentinel_pool_like, tls_settings
+from .._connection import (
+    BLOCKING_TIMEOUT,
+    node_settings,
+    release,
+    require_cluster_client,
+    sentinel_pool_like,
+    tls_settings,
+)
 from .._direct import as_pipeline_reply, direct, direct_pool
 from .._routing import raise_first_error
 from .._urls import (
@@ -242,6 +249,7 @@ def is_cluster(client: Any) -> bool:
 def _cluster(client: Any, socket_timeout: float) -> Any:
     """An asyncio cluster client like the one given (its nodes and credentials; a URL's),
     replying bytes, with our timeouts."""
+    require_cluster_client()
     # no retries of its own (as the synchronous cluster clients': _connection.cluster_retry)
     settings: dict[str, Any] = dict(decode_responses=False, socket_timeout=socket_timeout,
                                     socket_connect_timeout=CONNECT_TIMEOUT,
