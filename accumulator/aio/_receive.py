@@ -27,8 +27,8 @@ from .._wire import get_all_into, get_into
 logger = logging.getLogger("accumulator")
 
 _ATTR = "_accumulator_reader"
-_NONE = "none"  # kept on a client that has no twin
-_CLOSED = "closed"  # kept on a closed client: no twin is made for it any more
+_NONE = object()  # kept on a client that has no twin
+_CLOSED = object()  # kept on a closed client: no twin is made for it any more
 _LOCK = threading.Lock()  # guards the attribute only: nothing is sent while it is held
 
 
@@ -59,11 +59,11 @@ def _reader(client: Any) -> Any:
             state = client.__dict__.setdefault(_ATTR, made)
         if state is not made:  # another thread's was first, or the client closed meanwhile
             _close(made)
-    return None if state in (_NONE, _CLOSED) else state
+    return None if state is _NONE or state is _CLOSED else state
 
 
 def _close(reader: Any) -> None:
-    if reader in (_NONE, _CLOSED, None):
+    if reader is None or reader is _NONE or reader is _CLOSED:
         return
     reader.close()
     pool = getattr(reader, "connection_pool", None)
@@ -83,7 +83,7 @@ def _not_for_twin(client: Any) -> None:
     """The twin cannot log in as the client does: read the ordinary way from now on."""
     with _LOCK:
         reader = client.__dict__.get(_ATTR)
-        if reader in (_NONE, _CLOSED):
+        if reader is _NONE or reader is _CLOSED:
             return
         client.__dict__[_ATTR] = _NONE
     _close(reader)
@@ -111,7 +111,8 @@ async def receive(client: Any, request: Receive | ReceiveAll) -> Any:
     Cancelled, it still waits for the thread to end its read (bounded by the socket timeout):
     the thread writes into the request's buffers until then, and a buffer the caller reuses
     (the sparse take's) must not be written after the caller has moved on."""
-    if client.__dict__.get(_ATTR) in (_NONE, _CLOSED):
+    state = client.__dict__.get(_ATTR)
+    if state is _NONE or state is _CLOSED:
         return None  # known to have no twin: no thread for that
     future = asyncio.get_running_loop().run_in_executor(None, _receive, client, request)
     try:
