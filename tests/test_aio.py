@@ -684,6 +684,13 @@ def test_a_closed_object_given_bad_input_says_it_is_closed_in_both_twins(target)
     run(main)
 
 
+async def _large_round(acc: Any) -> None:
+    """Two large gradients applied (1 and 3), and their mean taken exactly."""
+    for v in (1.0, 3.0):
+        await acc.apply_grad(np.full(LARGE, v, np.float32))
+    np.testing.assert_array_equal(await acc.take_grad(2, timeout=5), np.full(LARGE, 2))
+
+
 def test_a_large_take_is_received_in_place_off_the_event_loop(target, monkeypatch):
     """A real server's payloads are read straight into the result by a synchronous twin in a
     worker thread (redis.asyncio's reads copied each value three times); fakeredis has no
@@ -704,9 +711,7 @@ def test_a_large_take_is_received_in_place_off_the_event_loop(target, monkeypatc
 
     async def main() -> None:
         async with dense(target, LARGE) as acc:
-            for v in (1.0, 3.0):
-                await acc.apply_grad(np.full(LARGE, v, np.float32))
-            np.testing.assert_array_equal(await acc.take_grad(2, timeout=5), np.full(LARGE, 2))
+            await _large_round(acc)
 
     run(main)
     assert replies and threading.main_thread().name not in threads
@@ -775,9 +780,7 @@ def test_a_client_whose_twin_cannot_log_in_reads_the_ordinary_way(target, monkey
 
     async def main() -> None:
         async with dense(target, LARGE) as acc:
-            for v in (1.0, 3.0):
-                await acc.apply_grad(np.full(LARGE, v, np.float32))
-            np.testing.assert_array_equal(await acc.take_grad(2, timeout=5), np.full(LARGE, 2))
+            await _large_round(acc)
             if target.kind != "fake":
                 assert acc._conns.commands.__dict__[_receive._ATTR] == _receive._NONE
 
