@@ -159,23 +159,25 @@ if not queued and redis.call('EXISTS', KEYS[9]) == 1 then
     if not expiry or not is_own(base, dead, 'c') or redis.call('EXISTS', dead) == 0 then
       -- given back meanwhile, not ours to follow, or a 'done' mark of an older client
       redis.call('HDEL', KEYS[9], other)
-    elseif expiry <= now and type(redis.pcall('LINDEX', dead, '0')) == 'table' then
-      -- (LINDEX of a value of another type is an error: a pcall, not TYPE, which the roles
-      -- do not grant; a missing header is false, not a table)
-      redis.call('HDEL', KEYS[9], other)  -- a value of another type: not ours to follow
-    elseif expiry <= now and tonumber(string.match(redis.call('LINDEX', dead, '0') or '',
-        '^%-?%d+ (%d+) ') or '0') >= n then
-      -- (a round of fewer gradients than this take requires waits for one that asks fewer,
-      -- or a reset: num_required holds for a round taken over too)
-      redis.call('HDEL', KEYS[9], other)
-      redis.call('RENAME', dead, claim)
-      local entries = redis.call('LRANGE', claim, '0', '-1')
-      local _, _, held = string.match(entries[1], '^(%-?%d+) (%d+) (%d+) ')
-      redis.call('HSET', KEYS[9], me, claim_lease(held or '0', #entries - 1))
-      redis.call('HINCRBY', state, 'n_adopted', '1')
-      leave_fifo()
-      touch(state, {state, takers, info_key, KEYS[9]}, st.ttl)
-      return with_payloads(entries, 0, 1)
+    elseif expiry <= now then
+      -- its header, read once (LINDEX of a value of another type is an error: a pcall, not
+      -- TYPE, which the roles do not grant; a missing header is false, not a table)
+      local head = redis.pcall('LINDEX', dead, '0')
+      if type(head) == 'table' then
+        redis.call('HDEL', KEYS[9], other)  -- a value of another type: not ours to follow
+      elseif tonumber(string.match(head or '', '^%-?%d+ (%d+) ') or '0') >= n then
+        -- (a round of fewer gradients than this take requires waits for one that asks
+        -- fewer, or a reset: num_required holds for a round taken over too)
+        redis.call('HDEL', KEYS[9], other)
+        redis.call('RENAME', dead, claim)
+        local entries = redis.call('LRANGE', claim, '0', '-1')
+        local _, _, held = string.match(entries[1], '^(%-?%d+) (%d+) (%d+) ')
+        redis.call('HSET', KEYS[9], me, claim_lease(held or '0', #entries - 1))
+        redis.call('HINCRBY', state, 'n_adopted', '1')
+        leave_fifo()
+        touch(state, {state, takers, info_key, KEYS[9]}, st.ttl)
+        return with_payloads(entries, 0, 1)
+      end
     end
   end
 end
