@@ -49,9 +49,14 @@ BLOCKING_TIMEOUT = WAIT_SLICE + 5.0
 _BIG_ARG = 64 * 1024
 
 
-#: How many of (is_retryable, with_failure_count) redis-py's ``call_with_retry`` takes (none
-#: before 7.0 (asyncio: 8.0), is_retryable from 7.0, both from 8.0).
-_RETRY_EXTRA = len(inspect.signature(Retry.call_with_retry).parameters) - 3
+def retry_extras(retry_class: Any) -> int:
+    """How many of (is_retryable, with_failure_count) ``retry_class.call_with_retry`` takes
+    (redis-py's synchronous one: none before 7.0, is_retryable from 7.0, both from 8.0; its
+    asyncio one: none before 8.0): our subclasses pass on only those."""
+    return len(inspect.signature(retry_class.call_with_retry).parameters) - 3
+
+
+_RETRY_EXTRA = retry_extras(Retry)
 
 
 class _Retry(Retry):

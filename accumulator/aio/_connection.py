@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import inspect
 import sys
 import threading
 from collections.abc import Awaitable, Callable, Sequence
@@ -29,6 +28,7 @@ from .._connection import (
     node_settings,
     release,
     require_cluster_client,
+    retry_extras,
     sentinel_pool_like,
     tls_settings,
 )
@@ -86,9 +86,7 @@ _SHARED: dict[object, _Entry] = {}
 _LOCK = threading.Lock()
 
 
-#: How many of (is_retryable, with_failure_count) redis-py's ``call_with_retry`` takes (none
-#: before 7.0 (asyncio: 8.0), is_retryable from 7.0, both from 8.0).
-_RETRY_EXTRA = len(inspect.signature(Retry.call_with_retry).parameters) - 3
+_RETRY_EXTRA = retry_extras(Retry)  # (redis.asyncio's Retry)
 
 
 class _Retry(Retry):
