@@ -156,6 +156,9 @@ class _Packer:
 
 
 _PACKER = _Packer()
+#: A command packed as the synchronous connections pack it (hiredis for small commands, big
+#: values as their own pieces): the asyncio driver's packer too (redis.asyncio packs in Python).
+pack = _PACKER.pack
 
 
 @dataclass
