@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import time
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -112,9 +114,73 @@ def test_fuzzed_commands_never_hurt_the_server(mod, args, a, b):
     assert mod.ping()
 
 
-def test_ping_names_the_module(mod):
-    assert mod.execute_command("ACC.PING") == b"accsum 1"
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f
+                         if line.startswith("flags")), set())  # fmt: skip
+    except OSError:
+        return set()
+
+
+def test_ping_names_the_module_and_its_kernels(mod):
+    reply = mod.execute_command("ACC.PING").decode()
+    assert reply.startswith("accsum 1 kernels=")
     assert _module.server_has_module(mod)
+    kernels = reply.split("=", 1)[1]
+    if platform.machine() == "x86_64" and "avx2" in _cpu_flags():
+        # built with gcc or clang on x86-64: the CPU's best instances are in use
+        assert kernels == ("avx512f" if "avx512f" in _cpu_flags() else "avx2")
+    else:
+        assert kernels in ("base", "avx2", "avx512f")
+
+
+@pytest.fixture(scope="module")
+def base_kernels() -> Iterator[redis.Redis]:
+    """A server running the module with its plain (SSE2) float kernels, whatever the CPU."""
+    so = _module.build()
+    if find_server_binary() is None or so is None:
+        pytest.skip("needs redis-server and a C compiler")
+    with RedisServer(module=False, args=["--loadmodule", str(so), "kernels", "base"]) as server:
+        client = redis.Redis.from_url(server.url)
+        assert client.execute_command("ACC.PING") == b"accsum 1 kernels=base"
+        yield client
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=FIXTURE_OK)
+@given(st.sampled_from(["float32", "float64"]), st.integers(0, 300), st.data())
+def test_the_base_kernels_give_the_same_bits(mod, base_kernels, dtype, n, data):
+    """Every bit pattern, added by the CPU's best kernels and by the plain ones: the same
+    bytes, and the client's reduction's (as above)."""
+    dtype = np.dtype(dtype)
+    raw = data.draw(st.binary(min_size=2 * n * dtype.itemsize, max_size=2 * n * dtype.itemsize))
+    cut = n * dtype.itemsize
+    out = []
+    for server in (mod, base_kernels):
+        server.set("a", raw[:cut])
+        server.set("b", raw[cut:])
+        assert server.execute_command("ACC.ADD", "a", "b", _module.module_dtype(dtype)) == n
+        out.append(server.get("a"))
+    want = np.empty(n, dtype)
+    with np.errstate(all="ignore"):
+        _reduce.reduce_into(want, [np.frombuffer(raw[:cut], dtype),
+                                   np.frombuffer(raw[cut:], dtype)], "SUM")  # fmt: skip
+    assert out[0] == out[1] == want.tobytes()
+
+
+@pytest.mark.parametrize("args", [["kernels"], ["kernels", "fast"], ["x", "base"], ["base"]])
+def test_a_load_argument_it_does_not_know_fails_the_load(args):
+    so = _module.build()
+    binary = find_server_binary()
+    if binary is None or so is None:
+        pytest.skip("needs redis-server and a C compiler")
+    from accumulator._testing_groups import _free_port
+
+    done = subprocess.run([binary, "--port", str(_free_port()), "--save", "", "--loadmodule",
+                           str(so), *args], capture_output=True, text=True, timeout=30,
+                          check=False)  # fmt: skip
+    assert done.returncode != 0
+    assert "accsum" in done.stdout + done.stderr
 
 
 # -- the path an accumulator takes --------------------------------------------------------------

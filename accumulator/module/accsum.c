@@ -7,7 +7,11 @@
  *                                 number of elements added. Replicated (and written to
  *                                 the AOF) as its effect, SETRANGE <dst> 0 <its new bytes>:
  *                                 replicas and an AOF replay need no module.
- *   ACC.PING                      replies "accsum <version>" (the scripts' probe).
+ *   ACC.PING                      replies "accsum <version> kernels=<base|avx2|avx512f>"
+ *                                 (the scripts' probe; the float kernels in use).
+ *
+ * Load arguments: none, or "kernels best" (the default: the fastest float kernels the CPU
+ * runs, AVX-512 or AVX2 on x86-64) or "kernels base" (the plain SSE2 ones).
  *
  * dtype: f32, f64 (IEEE, round to nearest, with TensorFlow's CPU flush-to-zero: a subnormal
  * operand counts as a signed zero and a subnormal result becomes one), i8, i16, i32, i64,
@@ -19,7 +23,9 @@
  * key type, length and dtype is checked before a byte is written, and it never reads or
  * writes outside the two values.
  *
- * Built by accumulator/_module.py (cc -O3 -shared -fPIC: -O3 vectorizes the f32 kernel, 3x -O2); no Redis header is needed: the few
+ * Built by accumulator/_module.py (cc -O3 -shared -fPIC: -O3 vectorizes the float kernels,
+ * and AVX2/AVX-512 instances are built beside the SSE2 ones; no -march: the build may run on
+ * another CPU, a Docker image's on many); no Redis header is needed: the few
  * declarations of the module API used here are written below.
  */
 
@@ -95,41 +101,97 @@ static int resolve_api(RedisModuleCtx *ctx) {
  * TF's accum + grad on x86, whose add keeps its first operand's. C's + leaves the order to
  * the compiler (gcc -O3 swapped it for f64), so dst's NaN is chosen by its bits. */
 
-static void add_f32(unsigned char *dst, const unsigned char *src, size_t n) {
-    for (size_t i = 0; i < n; i++) {
-        uint32_t a, b, r;
-        float fa, fb, fr;
-        memcpy(&a, dst + 4 * i, 4);
-        memcpy(&b, src + 4 * i, 4);
-        if ((a & 0x7f800000u) == 0) a &= 0x80000000u; /* subnormal operand: signed zero */
-        if ((b & 0x7f800000u) == 0) b &= 0x80000000u;
-        memcpy(&fa, &a, 4);
-        memcpy(&fb, &b, 4);
-        fr = fa + fb;
-        memcpy(&r, &fr, 4);
-        if ((r & 0x7f800000u) == 0) r &= 0x80000000u; /* subnormal result: signed zero */
-        if ((a & 0x7fffffffu) > 0x7f800000u) r = a | 0x00400000u; /* see NAN_RULE */
-        memcpy(dst + 4 * i, &r, 4);
+/* The float kernels' bodies, instantiated below once for any x86-64 (SSE2) and, where the
+ * compiler can, for AVX2 and AVX-512: the CPU's best is chosen at load (pick_kernels). The
+ * same IEEE additions and bit operations in every instance, so every one gives the same bits
+ * (a 1 MiB f32 add: 144 us with SSE2, 43 with AVX2, 26 with AVX-512, on the CI's machine). */
+#define ADD_F32_BODY                                                                       \
+    for (size_t i = 0; i < n; i++) {                                                       \
+        uint32_t a, b, r;                                                                  \
+        float fa, fb, fr;                                                                  \
+        memcpy(&a, dst + 4 * i, 4);                                                        \
+        memcpy(&b, src + 4 * i, 4);                                                        \
+        if ((a & 0x7f800000u) == 0) a &= 0x80000000u; /* subnormal operand: signed zero */ \
+        if ((b & 0x7f800000u) == 0) b &= 0x80000000u;                                      \
+        memcpy(&fa, &a, 4);                                                                \
+        memcpy(&fb, &b, 4);                                                                \
+        fr = fa + fb;                                                                      \
+        memcpy(&r, &fr, 4);                                                                \
+        if ((r & 0x7f800000u) == 0) r &= 0x80000000u; /* subnormal result: signed zero */  \
+        if ((a & 0x7fffffffu) > 0x7f800000u) r = a | 0x00400000u; /* see NAN_RULE */      \
+        memcpy(dst + 4 * i, &r, 4);                                                        \
     }
+
+#define ADD_F64_BODY                                                                       \
+    const uint64_t exp = 0x7ff0000000000000ull, sign = 0x8000000000000000ull;              \
+    for (size_t i = 0; i < n; i++) {                                                       \
+        uint64_t a, b, r;                                                                  \
+        double fa, fb, fr;                                                                 \
+        memcpy(&a, dst + 8 * i, 8);                                                        \
+        memcpy(&b, src + 8 * i, 8);                                                        \
+        if ((a & exp) == 0) a &= sign;                                                     \
+        if ((b & exp) == 0) b &= sign;                                                     \
+        memcpy(&fa, &a, 8);                                                                \
+        memcpy(&fb, &b, 8);                                                                \
+        fr = fa + fb;                                                                      \
+        memcpy(&r, &fr, 8);                                                                \
+        if ((r & exp) == 0) r &= sign;                                                     \
+        if ((a & ~sign) > exp) r = a | 0x0008000000000000ull; /* see NAN_RULE */           \
+        memcpy(dst + 8 * i, &r, 8);                                                        \
+    }
+
+typedef void (*Kernel)(unsigned char *dst, const unsigned char *src, size_t n);
+
+#define FLOAT_KERNELS(suffix, attr)                                                        \
+    attr static void add_f32_##suffix(unsigned char *dst, const unsigned char *src,        \
+                                      size_t n) {                                          \
+        ADD_F32_BODY                                                                       \
+    }                                                                                      \
+    attr static void add_f64_##suffix(unsigned char *dst, const unsigned char *src,        \
+                                      size_t n) {                                          \
+        ADD_F64_BODY                                                                       \
+    }
+
+FLOAT_KERNELS(base, )
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(ACCSUM_NO_DISPATCH)
+#define ACCSUM_DISPATCH 1
+FLOAT_KERNELS(avx2, __attribute__((target("avx2"))))
+FLOAT_KERNELS(avx512, __attribute__((target("avx512f"))))
+#endif
+
+/* The instances in use, chosen at load (pick_kernels). */
+static Kernel best_f32 = add_f32_base, best_f64 = add_f64_base;
+
+static void add_f32(unsigned char *dst, const unsigned char *src, size_t n) {
+    best_f32(dst, src, n);
 }
 
 static void add_f64(unsigned char *dst, const unsigned char *src, size_t n) {
-    const uint64_t exp = 0x7ff0000000000000ull, sign = 0x8000000000000000ull;
-    for (size_t i = 0; i < n; i++) {
-        uint64_t a, b, r;
-        double fa, fb, fr;
-        memcpy(&a, dst + 8 * i, 8);
-        memcpy(&b, src + 8 * i, 8);
-        if ((a & exp) == 0) a &= sign;
-        if ((b & exp) == 0) b &= sign;
-        memcpy(&fa, &a, 8);
-        memcpy(&fb, &b, 8);
-        fr = fa + fb;
-        memcpy(&r, &fr, 8);
-        if ((r & exp) == 0) r &= sign;
-        if ((a & ~sign) > exp) r = a | 0x0008000000000000ull; /* see NAN_RULE */
-        memcpy(dst + 8 * i, &r, 8);
+    best_f64(dst, src, n);
+}
+
+/* The fastest instances this CPU runs, unless the load arguments say "kernels base"
+ * (redis-server --loadmodule accsum.so kernels base). The name of the ones chosen. */
+static const char *pick_kernels(int base_only) {
+    best_f32 = add_f32_base;
+    best_f64 = add_f64_base;
+#ifdef ACCSUM_DISPATCH
+    if (base_only) return "base";
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f")) {
+        best_f32 = add_f32_avx512;
+        best_f64 = add_f64_avx512;
+        return "avx512f";
     }
+    if (__builtin_cpu_supports("avx2")) {
+        best_f32 = add_f32_avx2;
+        best_f64 = add_f64_avx2;
+        return "avx2";
+    }
+#else
+    (void)base_only;
+#endif
+    return "base";
 }
 
 #define WRAPPING_ADD(name, type)                                                   \
@@ -146,8 +208,6 @@ WRAPPING_ADD(add_u8, uint8_t)
 WRAPPING_ADD(add_u16, uint16_t)
 WRAPPING_ADD(add_u32, uint32_t)
 WRAPPING_ADD(add_u64, uint64_t)
-
-typedef void (*Kernel)(unsigned char *dst, const unsigned char *src, size_t n);
 
 static const struct {
     const char *name;
@@ -234,18 +294,37 @@ static int acc_add(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
     return RM_ReplyWithLongLong(ctx, (long long)(dlen / size));
 }
 
+/* ACC.PING's reply: "accsum <version> kernels=<the float kernels chosen at load>". */
+static char ping_reply[64] = "accsum 1 kernels=base";
+
 static int acc_ping(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
     (void)argv;
     if (argc != 1) return RM_WrongArity(ctx);
-    return RM_ReplyWithSimpleString(ctx, "accsum 1");
+    return RM_ReplyWithSimpleString(ctx, ping_reply);
 }
 
+/* Whether a load argument is the given word. */
+static int arg_is(RedisModuleString *arg, const char *word) {
+    size_t len = 0;
+    const char *text = RM_StringPtrLen(arg, &len);
+    return text != NULL && len == strlen(word) && memcmp(text, word, len) == 0;
+}
+
+/* Load arguments: none, or "kernels base" (the SSE2 float kernels whatever the CPU: a check
+ * of them, or a way around a CPU that misreports its features) or "kernels best" (the
+ * default). Anything else fails the load, so that a typo is not silently ignored. */
 int RedisModule_OnLoad(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
-    (void)argv;
-    (void)argc;
+    int base_only = 0;
+    const char *chosen;
     if (!little_endian()) return RM_ERR;
     if (resolve_api(ctx) != RM_OK) return RM_ERR;
+    if (argc == 2 && arg_is(argv[0], "kernels") && arg_is(argv[1], "base"))
+        base_only = 1;
+    else if (!(argc == 0 || (argc == 2 && arg_is(argv[0], "kernels") && arg_is(argv[1], "best"))))
+        return RM_ERR;
     if (RM_IsModuleNameBusy && RM_IsModuleNameBusy("accsum")) return RM_ERR;
+    chosen = pick_kernels(base_only);
+    memcpy(ping_reply + strlen("accsum 1 kernels="), chosen, strlen(chosen) + 1);
     RM_SetModuleAttribs(ctx, "accsum", ACCSUM_VERSION, RM_APIVER_1);
     if (RM_CreateCommand(ctx, "acc.add", acc_add, "write deny-oom", 1, 2, 1) != RM_OK)
         return RM_ERR;
