@@ -170,7 +170,8 @@ class AccumulatorBase(AccumulatorModel):
         commands = self._conns.commands
         if isinstance(request, Call):
             name, keys, args = request.name, request.keys, request.args
-            return self._io(request.what, lambda: _scripts.call(commands, name, keys, args))
+            return self._io(request.what, lambda: _scripts.call(commands, name, keys, args),
+                            request.window)  # fmt: skip
         if isinstance(request, Command):
             return self._io(request.what, lambda: commands.execute_command(*request.args))
         if isinstance(request, Batch):
@@ -234,10 +235,12 @@ class AccumulatorBase(AccumulatorModel):
             replies = send()
         return replies
 
-    def _io(self, what: str, fn: Callable[[], _T]) -> _T:
-        """``fn()`` retried through transient Redis faults for :attr:`retry_window` seconds."""
+    def _io(self, what: str, fn: Callable[[], _T], window: float | None = None) -> _T:
+        """``fn()`` retried through transient Redis faults for ``window`` seconds (None:
+        :attr:`retry_window`)."""
         return _retry.call(
-            fn, f"{what} {self._shared_name!r}", window=self.retry_window,
+            fn, f"{what} {self._shared_name!r}",
+            window=self.retry_window if window is None else window,
             give_up=lambda: self._closed,
         )  # fmt: skip
 

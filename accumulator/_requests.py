@@ -22,13 +22,16 @@ from typing import Any, TypeAlias, TypeVar
 class Call:
     """Run a script of ``lua/`` (``_scripts.call``: NOSCRIPT handled, ``ACCERR`` replies
     raised as our errors). ``commit``: the script commits a take or an apply; an asyncio
-    task cancelled while it runs lets it finish (its outcome must not be lost)."""
+    task cancelled while it runs lets it finish (its outcome must not be lost). ``window``:
+    seconds of retrying through Redis faults for this call (None: the accumulator's
+    ``retry_window``; 0: one try)."""
 
     what: str
     name: str
     keys: Sequence[str | bytes]
     args: Sequence[Any]
     commit: bool = False
+    window: float | None = None
 
 
 @dataclass(frozen=True)

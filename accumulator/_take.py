@@ -53,15 +53,16 @@ class Cancel(Protocol):
         ...
 
 
-def leave_call(keys: Keys, taker: str, schema: int = SCHEMA_VERSION) -> Call:
+def leave_call(keys: Keys, taker: str, schema: int = SCHEMA_VERSION,
+               window: float | None = None) -> Call:  # fmt: skip
     """The ``lua/leave.lua`` call for one taker: withdraw it from the FIFO and give back a
     round it claimed. Its reply: 0 (it held no claim), 1 (given back) or -1 (the accumulator
-    moved on: the round is handed to the next take instead)."""
+    moved on: the round is handed to the next take instead). ``window``: as :class:`Call`'s."""
     return Call(
         "leave", "leave",
         [keys.state, keys.takers, keys.taker_info, keys.wake, keys.queue_wake,
          keys.claim(taker), keys.grads, keys.claims],
-        [taker, schema], commit=True,
+        [taker, schema], commit=True, window=window,
     )  # fmt: skip
 
 
@@ -193,10 +194,12 @@ def take(
         if cancel is not None and cancel.is_set():  # the last moment to give it back
             raise CancelledError("take_grad was cancelled (its cancel event is set)")
         yield from _settled_finish(acc, taker, claim_key, claim.reader.keys)
-    except BaseException:
+    except BaseException as exc:
         # Not claimed: withdraw from the FIFO. Claimed (or unsure: a lost reply), the
-        # script gives the round back as it was.
-        yield from _leave(acc, taker, claim_key)
+        # script gives the round back as it was. After Redis was unreachable for the whole
+        # retry window: one try, not another window (the lease runs out on its own), so
+        # that the take's error comes when the window says.
+        yield from _leave(acc, taker, claim_key, once=isinstance(exc, UnavailableError))
         raise
     finally:
         if queue is not None:
@@ -337,9 +340,9 @@ def _finish(acc: AccumulatorModel, taker: str, claim_key: str, blob_keys: list[b
         yield from discard(acc, list(garbage))
 
 
-def _leave(acc: AccumulatorModel, taker: str, claim_key: str) -> Ops[None]:
+def _leave(acc: AccumulatorModel, taker: str, claim_key: str, once: bool = False) -> Ops[None]:
     try:
-        outcome = int((yield leave_call(acc._keys, taker, acc._schema)))
+        outcome = int((yield leave_call(acc._keys, taker, acc._schema, 0 if once else None)))
     except Exception as exc:  # noqa: BLE001 - the lease expires on its own if Redis is unreachable
         # (unreachable: one line, the take's own error says the rest; else the traceback)
         unreachable = isinstance(exc, ConnectionError)

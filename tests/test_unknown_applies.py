@@ -305,6 +305,59 @@ def test_a_frozen_server_is_given_up_after_the_window_not_redis_pys_retries(own_
     assert took < 7, took  # two tries of a 2 s timeout (+ slack); ~10 s before
 
 
+@pytest.mark.parametrize("twin", ["sync", "asyncio"])
+def test_a_take_cut_off_by_a_frozen_server_raises_when_the_window_says(own_server, twin):
+    """A waiting take whose server froze raises within what the README says: its wait slice
+    and a socket timeout to notice, the retry window, its last try's socket timeout, and one
+    more for giving its place back, tried once (the taker's lease runs out on its own). A
+    review measured 18.3 s with retry_window=4 and a 2 s socket timeout: the blocking waits'
+    socket timeout was 7 s whatever the commands', and the withdrawal had a window of its
+    own (12.3 s here before, 8.3 s now)."""
+    url = own_server.url + "?socket_timeout=1"
+    window = 3.0
+
+    def freeze_soon() -> Any:
+        import threading
+
+        timer = threading.Timer(0.5, _frozen, args=(own_server,))
+        timer.start()
+        return timer
+
+    if twin == "sync":
+        acc = accumulator.ConditionalAccumulator(np.float32, SMALL, shared_name="t", client=url,
+                                                 retry_window=window)  # fmt: skip
+        acc.num_accumulated()  # connected
+        timer = freeze_soon()
+        t0 = time.monotonic()
+        try:
+            with pytest.raises(accumulator.UnavailableError):
+                acc.take_grad(1)
+            took = time.monotonic() - t0
+        finally:
+            timer.join()
+            os.kill(own_server.server.pid, signal.SIGCONT)
+        acc.close()
+    else:
+
+        async def main() -> float:
+            async with aio.ConditionalAccumulator(np.float32, SMALL, shared_name="t",
+                                                  client=url, retry_window=window) as acc:
+                await acc.num_accumulated()
+                timer = freeze_soon()
+                t0 = time.monotonic()
+                try:
+                    with pytest.raises(accumulator.UnavailableError):
+                        await acc.take_grad(1)
+                    return time.monotonic() - t0
+                finally:
+                    timer.join()
+                    os.kill(own_server.server.pid, signal.SIGCONT)
+
+        took = asyncio.run(main())
+    # a 2 s slice + 1 s to notice, the window, two more 1 s timeouts (+ 1 s slack)
+    assert took < 2 + 1 + window + 2 * 1 + 1.0, took
+
+
 def test_an_asyncio_clients_twin_retries_no_timeouts_itself(own_server):
     """The asyncio twin made from a user's redis.asyncio.Redis kept that client's retries,
     which retried timeouts (with retry_on_timeout=True; review): a frozen server cost each

@@ -25,6 +25,7 @@ from redis.exceptions import ResponseError
 from .. import _scripts
 from .._connection import (
     BLOCKING_TIMEOUT,
+    blocking_timeout,
     node_settings,
     pack,
     release,
@@ -373,6 +374,6 @@ def connect(client: AsyncClient) -> AsyncConnections:
         pool = base.connection_pool
         timeout = pool.connection_kwargs.get("socket_timeout") or SOCKET_TIMEOUT
         commands = _derive(pool, limit=True, socket_timeout=timeout)
-        blocking = _derive(pool, limit=False, socket_timeout=BLOCKING_TIMEOUT)
+        blocking = _derive(pool, limit=False, socket_timeout=blocking_timeout(timeout))
         _SHARED[key] = _Entry(commands, blocking, 1, origin, loop)
         return AsyncConnections(commands, blocking, key)

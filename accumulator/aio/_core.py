@@ -330,7 +330,8 @@ class AccumulatorBase(AccumulatorModel):
         if isinstance(request, Call):
             name, keys, args = request.name, request.keys, request.args
             return await self._io(
-                request.what, lambda: _scripts.acall(commands, name, keys, args, execute)
+                request.what, lambda: _scripts.acall(commands, name, keys, args, execute),
+                request.window,
             )
         if isinstance(request, Command):
             return await self._io(request.what, lambda: commands.execute_command(*request.args))
@@ -403,10 +404,14 @@ class AccumulatorBase(AccumulatorModel):
             replies = await send()
         return replies
 
-    async def _io(self, what: str, fn: Callable[[], Awaitable[_T]]) -> _T:
-        """``await fn()`` retried through transient Redis faults for :attr:`retry_window`."""
+    async def _io(
+        self, what: str, fn: Callable[[], Awaitable[_T]], window: float | None = None
+    ) -> _T:
+        """``await fn()`` retried through transient Redis faults for ``window`` seconds
+        (None: :attr:`retry_window`)."""
         return await _retry.acall(
-            fn, f"{what} {self._shared_name!r}", window=self.retry_window,
+            fn, f"{what} {self._shared_name!r}",
+            window=self.retry_window if window is None else window,
             give_up=lambda: self._closed,
         )  # fmt: skip
 
