@@ -26,9 +26,11 @@ from ._errors import FailedPreconditionError, PermissionDeniedError
 from ._retry import RETRY_WINDOW
 from ._urls import (
     CONNECT_TIMEOUT,
+    LOGIN_REFUSED,
     NOT_RETRIED_BY_REDIS_PY,
     RETRIED_BY_REDIS_PY,
     SOCKET_TIMEOUT,
+    Unretried,
     check_url,
     cluster_url,
     default_url,
@@ -83,15 +85,20 @@ class _Retry(Retry):
         def once() -> Any:
             try:
                 return do()
-            except NOT_RETRIED_BY_REDIS_PY as error:
+            except (*NOT_RETRIED_BY_REDIS_PY, *LOGIN_REFUSED) as error:
                 if with_failure_count:
                     fail(error, self._retries + 1)  # a last failure: nothing retried
                 else:
                     fail(error)
+                if isinstance(error, LOGIN_REFUSED):
+                    raise Unretried(error) from None
                 raise
 
         extra: tuple[Any, ...] = (is_retryable, with_failure_count)[:_RETRY_EXTRA]
-        return super().call_with_retry(once, fail, *extra)
+        try:
+            return super().call_with_retry(once, fail, *extra)
+        except Unretried as refused:
+            raise refused.error from None
 
 
 def _retry() -> Retry:

@@ -73,6 +73,24 @@ def permission_denied(text: str) -> PermissionDeniedError:
     )
 
 
+def login_refused(text: str) -> PermissionDeniedError:
+    """Ours for a login the server refused (redis-py's ``AuthenticationError``: no password
+    given where one is required, a wrong one, a disabled user). Never retried."""
+    return PermissionDeniedError(
+        f"Redis refused the login: {text} (a server with a password needs it: in the URL, "
+        "redis://:PASSWORD@host:6379/0 or redis://USER:PASSWORD@host:6379/0, or as the "
+        "client's password=/username=)"
+    )
+
+
+def bad_database(text: str) -> InvalidArgumentError:
+    """Ours for a database number the server does not have (``SELECT`` at connect)."""
+    return InvalidArgumentError(
+        f"Redis refused the database number: {text} (the URL's /N is beyond the server's "
+        "'databases' setting, 16 by default; a Redis Cluster has only database 0)"
+    )
+
+
 class ResourceExhaustedError(AccumulatorError):
     """Redis is out of memory (``maxmemory`` reached under ``noeviction``), or the pending
     round would pass the accumulator's ``max_pending_bytes``. Nothing was applied."""

@@ -29,6 +29,7 @@ from redis.exceptions import (
     ClusterDownError,
     NoPermissionError,
     RedisClusterException,
+    ResponseError,
     SlotNotCoveredError,
     TryAgainError,
 )
@@ -37,6 +38,8 @@ from ._errors import (
     AccumulatorError,
     InvalidArgumentError,
     UnavailableError,
+    bad_database,
+    login_refused,
     permission_denied,
 )
 
@@ -175,6 +178,8 @@ def call(
             raise permission_denied(str(exc)) from exc
         except AskError as exc:  # (cluster clients follow redirects: this one is plain)
             raise _not_the_cluster(what, exc) from exc
+        except ResponseError as exc:
+            raise _at_connect(exc) from exc
 
 
 async def acall(
@@ -196,6 +201,8 @@ async def acall(
             raise permission_denied(str(exc)) from exc
         except AskError as exc:
             raise _not_the_cluster(what, exc) from exc
+        except ResponseError as exc:
+            raise _at_connect(exc) from exc
 
 
 def _not_the_cluster(what: str, exc: BaseException) -> InvalidArgumentError:
@@ -215,6 +222,14 @@ def failed_to_connect(exc: BaseException) -> bool:
     )
 
 
+def _at_connect(exc: ResponseError) -> Exception:
+    """Ours for an error reply to what a connection sends first (``SELECT`` of a database the
+    server does not have); any other error reply as it is."""
+    if "DB index is out of range" in str(exc):
+        return bad_database(str(exc))
+    return exc
+
+
 def _next_wait(
     backoff: Backoff, exc: BaseException, what: str, give_up: Callable[[], bool],
     began: float | None = None,
@@ -225,6 +240,8 @@ def _next_wait(
     transfer cut off at its end still gets the whole window)."""
     if isinstance(exc, RedisClusterException):
         exc = cluster_error(exc)
+    if isinstance(exc, _PERMANENT):
+        raise login_refused(str(exc)) from exc
     if not is_transient(exc):
         raise exc
     now = time.monotonic()

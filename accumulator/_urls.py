@@ -9,8 +9,8 @@ import socket
 from typing import Any
 from urllib.parse import urlsplit
 
+from redis.exceptions import AuthenticationError, AuthorizationError, RedisError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ._errors import InvalidArgumentError
@@ -29,6 +29,18 @@ CONNECT_TIMEOUT = 5.0
 RETRIED_BY_REDIS_PY: tuple[type[RedisError], ...] = (RedisConnectionError,)
 #: The faults it does not retry, but whose connection it must still drop (``_connection._Retry``).
 NOT_RETRIED_BY_REDIS_PY: tuple[type[Exception], ...] = (RedisTimeoutError, socket.timeout)
+#: A login the server refused: ConnectionErrors to redis-py, but no retry fixes them (a
+#: missing password was tried 16 times, ~2 s, before its error came).
+LOGIN_REFUSED: tuple[type[Exception], ...] = (AuthenticationError, AuthorizationError)
+
+
+class Unretried(Exception):
+    """Carries a refused login through redis-py's ``Retry``, which would retry it (it is a
+    ``ConnectionError``); unwrapped by our ``Retry`` subclasses."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 def default_url() -> str:

@@ -181,6 +181,58 @@ def _with_password(url: str) -> str:
     return url.replace("redis://", f"redis://:{PW}@")
 
 
+@pytest.mark.parametrize("twin", ["sync", "asyncio"])
+@pytest.mark.parametrize("password", [None, "wrong"])
+def test_a_refused_login_is_said_at_once_not_retried(locked: RedisServer, twin: str,
+                                                     password: str | None) -> None:  # fmt: skip
+    """A missing or wrong password: PermissionDeniedError saying what to give, raised at once
+    (redis-py counts a refused login as a ConnectionError: its retries and ours made a
+    missing password take ~2 s, and it came as redis-py's AuthenticationError)."""
+    import asyncio
+    import time
+
+    from accumulator import aio
+
+    url = locked.url if password is None else locked.url.replace("redis://",
+                                                                 f"redis://:{password}@")
+    t0 = time.monotonic()
+    with pytest.raises(accumulator.PermissionDeniedError, match="refused the login") as caught:
+        if twin == "sync":
+            accumulator.ConditionalAccumulator(np.float32, (3,), shared_name="x", client=url)
+        else:
+
+            async def main() -> None:
+                async with aio.ConditionalAccumulator(np.float32, (3,), shared_name="x",
+                                                      client=url):  # fmt: skip
+                    pass
+
+            asyncio.run(main())
+    assert time.monotonic() - t0 < 1.0  # (one login: milliseconds; ~2 s retried)
+    assert "PASSWORD@" in str(caught.value)
+    assert isinstance(caught.value.__cause__, redis.AuthenticationError)
+
+
+@pytest.mark.parametrize("twin", ["sync", "asyncio"])
+def test_a_database_the_server_lacks_is_an_invalid_argument(locked: RedisServer,
+                                                            twin: str) -> None:  # fmt: skip
+    import asyncio
+
+    from accumulator import aio
+
+    url = _with_password(locked.url).rsplit("/", 1)[0] + "/99"
+    with pytest.raises(accumulator.InvalidArgumentError, match="database number"):
+        if twin == "sync":
+            accumulator.ConditionalAccumulator(np.float32, (3,), shared_name="x", client=url)
+        else:
+
+            async def main() -> None:
+                async with aio.ConditionalAccumulator(np.float32, (3,), shared_name="x",
+                                                      client=url):  # fmt: skip
+                    pass
+
+            asyncio.run(main())
+
+
 @pytest.mark.parametrize("form", ["userinfo", "query", "client"])
 def test_sync_objects_keep_no_password(locked: RedisServer, form: str) -> None:
     client: Any = {

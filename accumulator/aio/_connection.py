@@ -38,9 +38,11 @@ from .._direct import as_pipeline_reply, direct, direct_pool
 from .._routing import raise_first_error
 from .._urls import (
     CONNECT_TIMEOUT,
+    LOGIN_REFUSED,
     NOT_RETRIED_BY_REDIS_PY,
     RETRIED_BY_REDIS_PY,
     SOCKET_TIMEOUT,
+    Unretried,
     check_url,
     cluster_url,
     default_url,
@@ -103,15 +105,20 @@ class _Retry(Retry):
         async def once() -> Any:
             try:
                 return await do()
-            except NOT_RETRIED_BY_REDIS_PY as error:
+            except (*NOT_RETRIED_BY_REDIS_PY, *LOGIN_REFUSED) as error:
                 if with_failure_count:
                     await fail(error, self._retries + 1)  # a last failure: nothing retried
                 else:
                     await fail(error)
+                if isinstance(error, LOGIN_REFUSED):
+                    raise Unretried(error) from None
                 raise
 
         extra: tuple[Any, ...] = (is_retryable, with_failure_count)[:_RETRY_EXTRA]
-        return await super().call_with_retry(once, fail, *extra)
+        try:
+            return await super().call_with_retry(once, fail, *extra)
+        except Unretried as refused:
+            raise refused.error from None
 
 
 def _retry() -> Retry:
