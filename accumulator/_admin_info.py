@@ -108,6 +108,9 @@ class Info:
     #: over, as they were), and the gradients they hold
     stranded_claims: int = 0
     stranded_grads: int = 0
+    #: the module's dtype name (``f32``...) when each round's sum is kept in Redis (the accsum
+    #: module: decided at creation); None: the taker sums
+    sum_in_redis: str | None = None
 
     @property
     def name(self) -> str:
@@ -219,6 +222,7 @@ def _info(
         definition_error=def_error,
         max_pending_bytes=_int(state.get(b"maxbytes"), None),
         sealed=_int(state.get(b"sealed"), None),
+        sum_in_redis=reply_text(state[b"sum"]) if state.get(b"sum") else None,
         **stats,
         **extra,
     )

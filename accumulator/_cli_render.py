@@ -191,8 +191,11 @@ def render_show(info: _admin.Info, prev: _admin.Info | None = None) -> list[str]
         if info.max_pending_bytes is not None
         else "default (set by no opener)"
     )
+    summed = (f"in Redis (accsum module, {info.sum_in_redis})" if info.sum_in_redis
+              else "by the taker")  # fmt: skip
     head = [
         ("definition", definition),
+        ("summed", summed),
         ("global step", str(info.step)),
         ("pending round", pending),
         ("max pending", limit),

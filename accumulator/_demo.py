@@ -74,16 +74,21 @@ class Split:
         return Split(self.x[index], self.rows[index], self.y[index])
 
 
-def load_data(seed: int) -> tuple[Split, Split]:
-    """(train, test): a seeded shuffle of the 1797 digits, 20% held out. Every process
-    computes the same split from the seed."""
+def _digits_loader() -> Any:
+    """scikit-learn's ``load_digits``; a DemoError (exit code 2) without scikit-learn."""
     try:
         from sklearn.datasets import load_digits
     except ImportError as exc:
-        raise SystemExit(
+        raise DemoError(
             "the demo needs scikit-learn: pip install 'redis-accumulator[demo]'"
         ) from exc
-    digits = load_digits()
+    return load_digits
+
+
+def load_data(seed: int) -> tuple[Split, Split]:
+    """(train, test): a seeded shuffle of the 1797 digits, 20% held out. Every process
+    computes the same split from the seed."""
+    digits = _digits_loader()()
     pixels = np.asarray(digits.data, dtype=np.int64)
     data = Split(
         x=pixels / 16.0,
@@ -548,6 +553,7 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     logging.basicConfig(level=level, format="%(name)s: %(message)s")
     url = args.url or os.environ.get("ACCUMULATOR_REDIS_URL") or os.environ.get("REDIS_URL")
     try:
+        _digits_loader()  # before a server is started for it (review)
         with contextlib.ExitStack() as stack:
             if threading.current_thread() is threading.main_thread():
                 previous = signal.signal(signal.SIGTERM, _on_sigterm)

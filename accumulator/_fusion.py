@@ -84,12 +84,14 @@ def plan(specs: Sequence[Any], fusion_bytes: int) -> list[Unit]:
     (0: one accumulator per parameter). Buckets come first in the order they were started at,
     each where its first parameter was."""
     if fusion_bytes < 0:
-        raise ValueError(f"fusion_bytes must be >= 0, got {fusion_bytes!r}")
+        raise InvalidArgumentError(f"fusion_bytes must be >= 0, got {fusion_bytes!r}")
     if fusion_bytes:
         reserved = [s.name for s in specs if s.name.startswith(FUSED_PREFIX)]
         if reserved:
-            raise ValueError(f"parameter names starting with {FUSED_PREFIX!r} are reserved for "
-                             f"fused buckets: {reserved} (or pass fusion_bytes=0)")  # fmt: skip
+            raise InvalidArgumentError(
+                f"parameter names starting with {FUSED_PREFIX!r} are reserved for fused "
+                f"buckets: {reserved} (or pass fusion_bytes=0)"
+            )
     # slots: a parameter of its own, or a bucket (a list of specs), in order of appearance
     slots: list[Any] = []
     open_bucket: dict[np.dtype, tuple[list[Any], int]] = {}  # dtype -> (its specs, bytes)

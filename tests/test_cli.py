@@ -870,6 +870,24 @@ def test_show_of_a_sparse_round_names_its_rows(real: Target) -> None:
         acc.close()
 
 
+def test_show_says_where_the_sum_is_kept(real: Target) -> None:
+    """Decided at creation, and what decides Redis's memory per round (review)."""
+    acc = accumulator.ConditionalAccumulator(np.float32, (4,), shared_name="where",
+                                             client=real.url)  # fmt: skip
+    try:
+        text = ok(cli("show", "where", "--url", real.url))
+        shown = json.loads(ok(cli("show", "where", "--url", real.url, "--json")))
+    finally:
+        acc.close()
+    if acc.sums_in_redis:
+        assert re.search(r"summed\s+in Redis \(accsum module, f32\)", text)
+        assert shown["sum_in_redis"] == "f32"
+    else:
+        assert re.search(r"summed\s+by the taker", text)
+        assert shown["sum_in_redis"] is None
+    assert (real.kind == "module") == acc.sums_in_redis
+
+
 def test_show_says_what_stray_payloads_hold_and_when_they_go(real: Target) -> None:
     """The parts of an apply whose worker was killed before its script ran: nothing refers
     to them; `show` gives their bytes and when the last one expires."""

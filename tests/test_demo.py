@@ -89,6 +89,24 @@ def test_redis_errors_are_one_line_and_exit_3_or_2(monkeypatch, caplog, capsys, 
     assert f"Redis at redis://127.0.0.1:1/0: {error}" in caplog.text
 
 
+@pytest.mark.parametrize("role", [[], ["--role", "worker"]])
+def test_without_scikit_learn_it_says_so_and_exits_2_before_starting_a_server(
+        monkeypatch, caplog, role):  # fmt: skip
+    """It exited 1 (the code of a low accuracy) through SystemExit, after starting a
+    redis-server for nothing (new-user review)."""
+    import accumulator.testing
+
+    monkeypatch.setitem(sys.modules, "sklearn", None)  # import sklearn: ImportError
+    monkeypatch.setitem(sys.modules, "sklearn.datasets", None)
+
+    def no_server(*args, **kwargs):
+        raise AssertionError("a server was started")
+
+    monkeypatch.setattr(accumulator.testing, "RedisServer", no_server)
+    assert _demo.main(["--quiet", "--steps", "2", *role]) == 2
+    assert "the demo needs scikit-learn: pip install 'redis-accumulator[demo]'" in caplog.text
+
+
 @pytest.mark.slow
 def test_sigterm_stops_the_demo_and_its_workers(real):
     """SIGTERM (timeout, a CI runner, docker stop) left the worker processes running; they

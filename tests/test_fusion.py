@@ -58,10 +58,10 @@ def test_a_parameter_alone_in_its_bucket_keeps_its_own_accumulator_and_zero_fuse
 
 
 def test_reserved_names_and_a_negative_threshold_are_refused():
-    with pytest.raises(ValueError, match="reserved for fused buckets"):
+    with pytest.raises(InvalidArgumentError, match="reserved for fused buckets"):
         _fusion.plan([spec("#fused/0", (2,)), spec("b", (2,))], 100)
     assert layout(_fusion.plan([spec("#fused/0", (2,))], 0)) == [("#fused/0", ["#fused/0"])]
-    with pytest.raises(ValueError, match="fusion_bytes must be >= 0"):
+    with pytest.raises(InvalidArgumentError, match="fusion_bytes must be >= 0"):
         _fusion.plan([spec("w", (2,))], -1)
 
 

@@ -859,7 +859,7 @@ def test_a_learning_rate_missing_from_the_mapping_is_refused_before_anything_is_
     ps, worker, grads = _one_push(target, "rates")
     for bad, match in (({"w": LR, "emb": LR}, r"no learning rate for parameters \['b'\]"),
                        ({"w": LR, "emb": LR, "b": "fast"}, "learning rate of 'b' must be a")):
-        with pytest.raises(ValueError, match=match):
+        with pytest.raises(accumulator.InvalidArgumentError, match=match):
             ps.step(bad, timeout=5)
         assert [ps._accs[n].num_accumulated() for n in ("w", "emb", "b")] == [1, 1, 1]
         assert _steps(target, "rates") == {"w": 0, "emb": 0, "b": 0}

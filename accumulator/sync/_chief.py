@@ -91,15 +91,17 @@ class ParameterServer(_Job):
         replicas = scalar_int(replicas_to_aggregate, "replicas_to_aggregate")
         fusion = scalar_int(fusion_bytes, "fusion_bytes")
         if fusion < 0:
-            raise ValueError(f"fusion_bytes must be >= 0, got {fusion}")
+            raise InvalidArgumentError(f"fusion_bytes must be >= 0, got {fusion}")
         if replicas < 1:
             raise InvalidArgumentError(f"replicas_to_aggregate must be >= 1, got {replicas}")
         if reduction_type not in ("MEAN", "SUM"):
-            raise ValueError(f"reduction_type must be 'MEAN' or 'SUM', got {reduction_type!r}")
+            raise InvalidArgumentError(
+                f"reduction_type must be 'MEAN' or 'SUM', got {reduction_type!r}"
+            )
         if not chief_lease > 0:
-            raise ValueError(f"chief_lease must be > 0 seconds, got {chief_lease!r}")
+            raise InvalidArgumentError(f"chief_lease must be > 0 seconds, got {chief_lease!r}")
         if chief_id is not None and (not isinstance(chief_id, str) or not chief_id):
-            raise ValueError(f"chief_id must be a non-empty string, got {chief_id!r}")
+            raise InvalidArgumentError(f"chief_id must be a non-empty string, got {chief_id!r}")
         super().__init__(job, client=client, container=container, retry_window=retry_window)
         self.replicas_to_aggregate = replicas
         self.sparse = frozenset(sparse)
@@ -152,13 +154,13 @@ class ParameterServer(_Job):
 
     def _check_resumable(self, published: Published, specs: list[ParamSpec]) -> None:
         if published.specs != specs:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"sync job {self.job!r} is published with different parameters "
                 f"({'; '.join(s.describe() for s in published.specs)}) than given "
                 f"({'; '.join(s.describe() for s in specs)}); use resume=False to replace it"
             )
         if published.reduction != self.reduction_type:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"sync job {self.job!r} is published with reduction_type "
                 f"{published.reduction!r}, not {self.reduction_type!r}; use resume=False "
                 "to replace it"

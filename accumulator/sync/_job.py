@@ -16,6 +16,7 @@ from .. import _admin, _chunks, _fusion, _retry
 from .._codec import wire_dtype
 from .._connection import Client, connect
 from .._dense import ConditionalAccumulator
+from .._errors import InvalidArgumentError
 from .._keys import Keys, SyncKeys
 from .._sparse import SparseConditionalAccumulator
 from .._stream import fill, read_views_into
@@ -164,7 +165,7 @@ class _Job:
         retry_window: float = _retry.RETRY_WINDOW,
     ) -> None:
         if not job:
-            raise ValueError("a sync job needs a non-empty name")
+            raise InvalidArgumentError("a sync job needs a non-empty name")
         window = _retry.checked_window(retry_window)
         self.job = job
         self.container = container or ""

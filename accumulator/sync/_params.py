@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from .._codec import resolve_dtype
+from .._errors import InvalidArgumentError
 from .._sparse import SparseGradient
 from ._published import ParamSpec
 
@@ -37,20 +38,20 @@ def specs_for(
     parameters as contiguous arrays of their dtypes."""
     unknown = sparse - set(params)
     if unknown:
-        raise ValueError(f"sparse names parameters that do not exist: {sorted(unknown)}")
+        raise InvalidArgumentError(f"sparse names parameters that do not exist: {sorted(unknown)}")
     specs, arrays = [], {}
     for name, value in params.items():
         if not isinstance(name, str) or not name:
-            raise ValueError(f"parameter names must be non-empty strings, got {name!r}")
+            raise InvalidArgumentError(f"parameter names must be non-empty strings, got {name!r}")
         arr = _as_array(value)
         kind = "sparse" if name in sparse else "dense"
         if kind == "sparse" and arr.ndim < 1:
-            raise ValueError(f"sparse parameter {name!r} needs at least one dimension")
+            raise InvalidArgumentError(f"sparse parameter {name!r} needs at least one dimension")
         spec = ParamSpec(name, kind, resolve_dtype(arr.dtype), tuple(arr.shape))
         specs.append(spec)
         arrays[name] = np.asarray(arr, dtype=spec.dtype, order="C")  # keeps a 0-d one 0-d
     if not specs:
-        raise ValueError("no parameters")
+        raise InvalidArgumentError("no parameters")
     return specs, arrays
 
 
@@ -86,14 +87,14 @@ def apply_update(
 
 def learning_rates(update: Update, specs: list[ParamSpec]) -> dict[str, float] | None:
     """Each parameter's learning rate in ``update``, or None for an update function; raises
-    ``ValueError`` (a parameter without one, not a number) before anything is changed:
-    :meth:`ParameterServer.step` checks it before it takes a gradient."""
+    ``InvalidArgumentError`` (a ValueError: a parameter without one, not a number) before
+    anything is changed: :meth:`ParameterServer.step` checks it before it takes a gradient."""
     if callable(update):
         return None
     if isinstance(update, Mapping):
         missing = [s.name for s in specs if s.name not in update]
         if missing:
-            raise ValueError(f"no learning rate for parameters {missing}")
+            raise InvalidArgumentError(f"no learning rate for parameters {missing}")
         items = [(s.name, update[s.name]) for s in specs]
     else:
         items = [(s.name, update) for s in specs]
@@ -102,8 +103,10 @@ def learning_rates(update: Update, specs: list[ParamSpec]) -> dict[str, float] |
         try:
             rates[name] = float(lr)
         except (TypeError, ValueError):
-            raise ValueError(f"the learning rate of {name!r} must be a number (or update a "
-                             f"function), got {lr!r}") from None  # fmt: skip
+            raise InvalidArgumentError(
+                f"the learning rate of {name!r} must be a number (or update a function), "
+                f"got {lr!r}"
+            ) from None
     return rates
 
 
@@ -121,17 +124,17 @@ def checked_params(specs: list[ParamSpec], params: Mapping[str, Any]) -> dict[st
     (castable) dtypes; contiguous copies in the parameters' dtypes."""
     names = {s.name for s in specs}
     if set(params) != names:
-        raise ValueError(f"update returned parameters {sorted(params)}, expected "
-                         f"{sorted(names)}")  # fmt: skip
+        raise InvalidArgumentError(f"update returned parameters {sorted(params)}, expected "
+                                   f"{sorted(names)}")  # fmt: skip
     out = {}
     for spec in specs:
         arr = _as_array(params[spec.name])
         if arr.shape != spec.shape:
-            raise ValueError(f"update changed the shape of {spec.name!r}: "
-                             f"{arr.shape} != {spec.shape}")  # fmt: skip
+            raise InvalidArgumentError(f"update changed the shape of {spec.name!r}: "
+                                       f"{arr.shape} != {spec.shape}")  # fmt: skip
         if not np.can_cast(arr.dtype, spec.dtype, casting="same_kind"):
-            raise ValueError(f"update returned {arr.dtype} for {spec.name!r} "
-                             f"({spec.dtype} expected)")  # fmt: skip
+            raise InvalidArgumentError(f"update returned {arr.dtype} for {spec.name!r} "
+                                       f"({spec.dtype} expected)")  # fmt: skip
         out[spec.name] = np.asarray(arr, dtype=spec.dtype, order="C")
     return out
 
