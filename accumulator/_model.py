@@ -256,6 +256,9 @@ class AccumulatorModel:
     _kind = ""
     #: Tuning knobs, per object so that tests (and unusual deployments) can shorten them.
     wait_slice: float = WAIT_SLICE
+    #: The global step the last round this object took left behind (its claim's); read by
+    #: accumulator.sync's chief, which finds a job rolled back by Redis this way.
+    _claimed_step: int | None = None
     taker_lease: float = TAKER_LEASE_SECONDS
     _claim_lease: float | None = None  # None: CLAIM_LEASE_MS
     #: Seconds an operation rides through an unreachable Redis (a restart, a failover, killed

@@ -185,6 +185,7 @@ def take(
                 yield Unsubscribe(queue)
                 queue = None
         claim = read_claim(acc, entries, taker, reply[4] if len(reply) > 4 else None)
+        acc._claimed_step = claim.step
         try:
             result = yield from decode(claim)  # reads the payloads as it goes
         except AccumulatorError as exc:

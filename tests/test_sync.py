@@ -595,6 +595,54 @@ def aof_server():
         yield server
 
 
+def test_a_job_rolled_back_by_a_restart_from_an_older_snapshot_goes_on(caplog):
+    """Redis restarted from an RDB snapshot taken steps ago (RDB-only persistence; a failover
+    to a replica behind does the same): the job's published step went back. A worker waiting
+    for a step newer than the one it had waited for ever (the chief waited for gradients of
+    that step, which no worker would push: a review's drill hung); it now takes the step the
+    job went back to, with a warning, pushes for it, and the job goes on: the chief applies
+    that round to its own parameters (the newest) and sets the accumulator to its step."""
+    if find_server_binary() is None:
+        pytest.skip("no redis-server binary (scripts/test.sh installs one)")
+    k = 2
+    with RedisServer(persistent=True, module=False,
+                     args=["--appendonly", "no", "--save", ""]) as server:  # fmt: skip
+        url = server.url + "?socket_timeout=5"
+        ps = ParameterServer("rolled", replicas_to_aggregate=1, client=url)
+        ps.initialize({"w": np.zeros(3)})
+        worker = Worker("rolled", client=url, worker_id="w0")
+        step, params = worker.pull(timeout=10)
+        for _ in range(k + 3):
+            if step == k:
+                server.client().save()  # the snapshot: the job at step k
+            worker.push(step, {"w": np.ones(3)})
+            assert ps.step(1.0, timeout=10) == step + 1
+            step, params = worker.pull(after=step, timeout=10)
+        assert step == k + 3
+        server.kill()
+        server.start()  # from the snapshot: published step k, its accumulator at step k
+        with caplog.at_level("WARNING", logger="accumulator.sync"):
+            back, params = worker.pull(after=step, timeout=15)
+        assert back == k
+        np.testing.assert_array_equal(params["w"], np.full(3, -float(k)))
+        assert f"went back from step {k + 3} to step {k}" in caplog.text
+        assert worker.push(back, {"w": np.ones(3)}) == {"w": True}
+        with caplog.at_level("WARNING", logger="accumulator.sync"):
+            # takes the round of step k: applied to the chief's parameters (the newest), and
+            # the accumulator set to the step the chief publishes
+            assert ps.step(1.0, timeout=15) == k + 4
+        assert f"came from step {k}, this chief is at step {k + 3}" in caplog.text
+        step, params = worker.pull(after=back, timeout=10)
+        assert step == k + 4
+        np.testing.assert_array_equal(params["w"], np.full(3, -float(k + 4)))
+        # stale pushes are dropped again (an accumulator left at step k + 1 took them)
+        assert worker.push(k + 1, {"w": np.ones(3)}) == {"w": False}
+        assert worker.push(step, {"w": np.ones(3)}) == {"w": True}
+        assert ps.step(1.0, timeout=15) == k + 5
+        worker.close()
+        ps.close()
+
+
 @pytest.mark.parametrize(
     "how", ["kill", pytest.param("shutdown", marks=pytest.mark.slow)]
 )

@@ -568,6 +568,7 @@ class ParameterServer(_Job):
             ) from late[0][1]
         if failures:
             raise failures[0][1]
+        self._catch_up(self._units)
         self._lease.check(renew=False)  # the publish renews it and is fenced by it
         # the gradients stay taken until the update is made (a raising update gets them again)
         grads = _fusion.split(self._units, self._taken)  # a bucket's: views of its array
@@ -575,6 +576,28 @@ class ParameterServer(_Job):
         self._taken = {}
         self._step += 1
         return self._finish_step(final)
+
+    def _catch_up(self, taken: list[Any]) -> None:
+        """Accumulators whose rounds came from an earlier step than this chief's: Redis went
+        back (restarted from an older snapshot, failed over to a replica behind), and the
+        workers that saw it pushed for that step (``Worker.pull``). The gradients are applied
+        to this chief's parameters, the newest there are, and those accumulators are set to
+        the step it publishes next, so that stale pushes are dropped again (left behind, they
+        would accept any push of a step between theirs and the chief's)."""
+        assert self._step is not None
+        behind = [unit for unit in taken
+                  if (self._accs[unit.name]._claimed_step or self._step + 1) <= self._step]
+        if not behind:
+            return
+        logger.warning(
+            "sync job %r: the round of %s came from step %d, this chief is at step %d (Redis "
+            "lost writes: restarted from an older snapshot, or failed over to a replica "
+            "behind); applied to this chief's parameters, and the accumulators set to step %d",
+            self.job, behind[0].describe(), cast(int, self._accs[behind[0].name]._claimed_step) - 1,
+            self._step, self._step + 1,
+        )  # fmt: skip
+        for unit in behind:
+            self._accs[unit.name].set_global_step(self._step + 1)
 
     def _finish_step(self, final: bool) -> int:
         """Publish the updated parameters (kept as unpublished while that fails: the next

@@ -136,7 +136,10 @@ class Worker(_Job):
         Without ``after``: the current step as soon as the job is initialized (a late or
         restarted worker catches up here; a finished job's final parameters too, and
         :attr:`finished` says so). With ``after``: wait for a step newer than it (or for a
-        re-initialized job); :class:`TrainingFinished` once the job is finished.
+        re-initialized job); :class:`TrainingFinished` once the job is finished. A job that
+        went back to an earlier step (Redis lost writes: restarted from an older snapshot, a
+        failover) is returned at that step, with a warning, so that its workers push for the
+        step its chief now takes (waiting for a newer one would wait for ever).
         ``timeout`` (seconds) raises :class:`~accumulator.DeadlineExceededError`. Redis
         faults are ridden out for :attr:`retry_window` seconds.
         """
@@ -146,7 +149,12 @@ class Worker(_Job):
             restarted = self._run is not None and published.run != self._run
             if after is not None and not restarted and published.done:
                 return False  # finished: raised below, nothing to read
-            return after is None or restarted or published.step > after
+            return after is None or restarted or published.step > after or went_back(
+                published.step)
+
+        def went_back(step: int) -> bool:
+            # a step of this run below one this worker has seen: the job went back (above)
+            return self._step is not None and step < self._step
 
         def finished(step: int) -> TrainingFinished:
             # no gradient is wanted any more: a push would never be taken
@@ -205,7 +213,7 @@ class Worker(_Job):
                 step, done, params = max((a for a in announced if a), key=lambda a: a[:2])
                 if after is not None and done:
                     raise finished(step)
-                if after is None or step > after:
+                if after is None or step > after or went_back(step):
                     return self._adopt(dataclasses.replace(last, step=step, done=done,
                                                            params=params))  # fmt: skip
 
@@ -228,6 +236,13 @@ class Worker(_Job):
             self._open_accumulators(published.specs, published.reduction, published.fusion)
             self._run = published.run
             self._reopen = False
+        if (self._step is not None and published.step < self._step
+                and published.run == self._run):  # fmt: skip
+            logger.warning(
+                "sync job %r went back from step %d to step %d (Redis lost writes: restarted "
+                "from an older snapshot, or failed over to a replica behind); going on from "
+                "there", self.job, self._step, published.step,
+            )  # fmt: skip
         self._published = dataclasses.replace(published, params={})
         self._step = published.step
         self._finished = published.done
