@@ -268,3 +268,12 @@ def aclient(target: Any) -> Any:
 
         return fakeredis.FakeAsyncRedis(server=target._fake_server)
     return str(target.url)
+
+
+def drain_socket(sock: Any, out: bytearray) -> None:
+    """Read ``sock`` into ``out`` until its peer closes (a thread's target, for send tests)."""
+    while True:
+        data = sock.recv(1 << 16)
+        if not data:
+            return
+        out += data

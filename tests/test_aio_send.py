@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import redis
+from _helpers import drain_socket
 
 from accumulator.aio._connection import _packed, send
 
@@ -26,14 +27,6 @@ class _Conn:
         self.packed.append(pieces)
 
 
-def _drain(sock: socket.socket, out: bytearray) -> None:
-    while True:
-        data = sock.recv(1 << 16)
-        if not data:
-            return
-        out += data
-
-
 async def _writer_over(sock: socket.socket) -> asyncio.StreamWriter:
     _, writer = await asyncio.open_connection(sock=sock)
     return writer
@@ -45,7 +38,7 @@ def test_one_piece_arrives_whole_without_redis_py(size):
     a, b = socket.socketpair()
     a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
     got = bytearray()
-    reader = threading.Thread(target=_drain, args=(b, got))
+    reader = threading.Thread(target=drain_socket, args=(b, got))
     reader.start()
     piece = bytes(range(256)) * (size // 256) + b"!" * (size % 256)
 

@@ -7,6 +7,7 @@ import threading
 
 import pytest
 import redis
+from _helpers import drain_socket
 
 from accumulator._direct import _IOV, execute_batch, send_pieces
 
@@ -29,14 +30,6 @@ class _Conn:
         self.packed.append(pieces)
 
 
-def _drain(sock: socket.socket, out: bytearray) -> None:
-    while True:
-        data = sock.recv(1 << 16)
-        if not data:
-            return
-        out += data
-
-
 def test_every_byte_arrives_in_order_through_partial_writes():
     # a small send buffer: the kernel takes a few KiB per call, splitting pieces anywhere;
     # more pieces than one sendmsg may carry
@@ -48,7 +41,7 @@ def test_every_byte_arrives_in_order_through_partial_writes():
         size = (i * 37) % 301 + (50_000 if i % 97 == 0 else 0)
         pieces.append(memoryview(bytes([i % 251]) * size) if i % 2 else bytes([i % 7]) * size)
     got = bytearray()
-    reader = threading.Thread(target=_drain, args=(b, got))
+    reader = threading.Thread(target=drain_socket, args=(b, got))
     reader.start()
     conn = _Conn(a)
     send_pieces(conn, pieces)

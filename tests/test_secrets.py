@@ -181,6 +181,23 @@ def _with_password(url: str) -> str:
     return url.replace("redis://", f"redis://:{PW}@")
 
 
+def _open_and_close(twin: str, url: str) -> None:
+    """Open (and close) a dense accumulator of ``url`` with the sync or the asyncio class."""
+    import asyncio
+
+    from accumulator import aio
+
+    if twin == "sync":
+        accumulator.ConditionalAccumulator(np.float32, (3,), shared_name="x", client=url).close()
+        return
+
+    async def main() -> None:
+        async with aio.ConditionalAccumulator(np.float32, (3,), shared_name="x", client=url):
+            pass
+
+    asyncio.run(main())
+
+
 @pytest.mark.parametrize("twin", ["sync", "asyncio"])
 @pytest.mark.parametrize("password", [None, "wrong"])
 def test_a_refused_login_is_said_at_once_not_retried(locked: RedisServer, twin: str,
@@ -188,25 +205,13 @@ def test_a_refused_login_is_said_at_once_not_retried(locked: RedisServer, twin: 
     """A missing or wrong password: PermissionDeniedError saying what to give, raised at once
     (redis-py counts a refused login as a ConnectionError: its retries and ours made a
     missing password take ~2 s, and it came as redis-py's AuthenticationError)."""
-    import asyncio
     import time
-
-    from accumulator import aio
 
     url = locked.url if password is None else locked.url.replace("redis://",
                                                                  f"redis://:{password}@")
     t0 = time.monotonic()
     with pytest.raises(accumulator.PermissionDeniedError, match="refused the login") as caught:
-        if twin == "sync":
-            accumulator.ConditionalAccumulator(np.float32, (3,), shared_name="x", client=url)
-        else:
-
-            async def main() -> None:
-                async with aio.ConditionalAccumulator(np.float32, (3,), shared_name="x",
-                                                      client=url):  # fmt: skip
-                    pass
-
-            asyncio.run(main())
+        _open_and_close(twin, url)
     assert time.monotonic() - t0 < 1.0  # (one login: milliseconds; ~2 s retried)
     assert "PASSWORD@" in str(caught.value)
     assert isinstance(caught.value.__cause__, redis.AuthenticationError)
@@ -215,22 +220,9 @@ def test_a_refused_login_is_said_at_once_not_retried(locked: RedisServer, twin: 
 @pytest.mark.parametrize("twin", ["sync", "asyncio"])
 def test_a_database_the_server_lacks_is_an_invalid_argument(locked: RedisServer,
                                                             twin: str) -> None:  # fmt: skip
-    import asyncio
-
-    from accumulator import aio
-
     url = _with_password(locked.url).rsplit("/", 1)[0] + "/99"
     with pytest.raises(accumulator.InvalidArgumentError, match="database number"):
-        if twin == "sync":
-            accumulator.ConditionalAccumulator(np.float32, (3,), shared_name="x", client=url)
-        else:
-
-            async def main() -> None:
-                async with aio.ConditionalAccumulator(np.float32, (3,), shared_name="x",
-                                                      client=url):  # fmt: skip
-                    pass
-
-            asyncio.run(main())
+        _open_and_close(twin, url)
 
 
 @pytest.mark.parametrize("form", ["userinfo", "query", "client"])
