@@ -53,7 +53,7 @@ def blocking_timeout(socket_timeout: float) -> float:
     """The blocking waits' socket timeout beside commands' of ``socket_timeout``: a slice plus
     at most that (a server that froze under a waiting take is noticed a socket timeout after
     the slice, as a command would notice it; a review measured 7 s with a 1 s timeout)."""
-    return WAIT_SLICE + min(BLOCKING_TIMEOUT - WAIT_SLICE, socket_timeout)
+    return WAIT_SLICE + min(BLOCKING_TIMEOUT - WAIT_SLICE, max(0.5, socket_timeout))
 
 #: Above this size an argument is sent as its own buffer (no copy into one command buffer).
 _BIG_ARG = 64 * 1024

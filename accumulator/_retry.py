@@ -70,10 +70,13 @@ def cluster_error(exc: RedisClusterException) -> Exception:
     """Ours for redis-py's ``RedisClusterException``, raised when a cluster client cannot
     learn its nodes: none reachable (or the slots not all served yet) is a
     ``redis.ConnectionError``, transient; a server that is no cluster node (a
-    ``redis+cluster://`` URL of a plain server) an :class:`InvalidArgumentError`; anything
-    else stays as it is. The original is the new one's ``__cause__``."""
+    ``redis+cluster://`` URL of a plain server) an :class:`InvalidArgumentError`; a login
+    the nodes refused a :class:`PermissionDeniedError`; anything else stays as it is. The
+    original is the new one's ``__cause__``."""
     text = str(exc)
     ours: Exception
+    if isinstance(exc.__cause__, _PERMANENT):  # no node took the login: not a fault to wait out
+        return login_refused(str(exc.__cause__))
     if "Cluster mode is not enabled" in text:  # (also found behind "cannot be connected")
         ours = InvalidArgumentError(
             "a redis+cluster:// URL (or cluster client) names a server that is no cluster "
@@ -179,7 +182,10 @@ def call(
         except AskError as exc:  # (cluster clients follow redirects: this one is plain)
             raise _not_the_cluster(what, exc) from exc
         except ResponseError as exc:
-            raise _at_connect(exc) from exc
+            ours = _at_connect(exc)
+            if ours is exc:
+                raise
+            raise ours from exc
 
 
 async def acall(
@@ -202,7 +208,10 @@ async def acall(
         except AskError as exc:
             raise _not_the_cluster(what, exc) from exc
         except ResponseError as exc:
-            raise _at_connect(exc) from exc
+            ours = _at_connect(exc)
+            if ours is exc:
+                raise
+            raise ours from exc
 
 
 def _not_the_cluster(what: str, exc: BaseException) -> InvalidArgumentError:
@@ -241,6 +250,11 @@ def _next_wait(
     if isinstance(exc, RedisClusterException):
         exc = cluster_error(exc)
     if isinstance(exc, _PERMANENT):
+        if backoff.failures:
+            # an earlier try failed midway (its outcome unknown: an apply may have counted):
+            # as unreachable, not a refusal, which would drop what that try sent
+            raise UnavailableError(f"{what}: Redis refused the login when retried after "
+                                   f"{backoff.failures} failure(s) ({exc})") from exc
         raise login_refused(str(exc)) from exc
     if not is_transient(exc):
         raise exc

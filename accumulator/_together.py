@@ -100,10 +100,11 @@ def _serve(
 def _calls(
     steps: Sequence[tuple[AccumulatorBase, Ops[Any]]], calls: dict[int, Call]
 ) -> dict[int, tuple[Any, BaseException | None]]:
-    """Script calls, one pipeline per client the accumulators share."""
-    groups: dict[int, list[int]] = {}
+    """Script calls, one pipeline per client the accumulators share (and per retry window:
+    a call of one try, a taker's withdrawal after an outage, is not retried with the others)."""
+    groups: dict[tuple[int, float | None], list[int]] = {}
     for i in calls:
-        groups.setdefault(id(steps[i][0]._conns.commands), []).append(i)
+        groups.setdefault((id(steps[i][0]._conns.commands), calls[i].window), []).append(i)
     replies: dict[int, tuple[Any, BaseException | None]] = {}
     for members in groups.values():
         acc = steps[members[0]][0]
@@ -116,7 +117,7 @@ def _calls(
             return _pipelined(acc, group)
 
         try:
-            results = acc._io(what, send)
+            results = acc._io(what, send, group[0].window)
         except Exception as exc:  # noqa: BLE001 - every call of the pipeline failed
             results = [(None, exc)] * len(members)
         replies.update(zip(members, results, strict=True))

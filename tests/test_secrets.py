@@ -218,6 +218,27 @@ def test_a_refused_login_is_said_at_once_not_retried(locked: RedisServer, twin: 
 
 
 @pytest.mark.parametrize("twin", ["sync", "asyncio"])
+def test_a_refused_login_to_a_cluster_is_said_at_once(twin: str) -> None:
+    """redis-py's cluster client wraps the refusal in a RedisClusterException ("cannot be
+    connected"), which read as no node reachable: retried for the whole window (code
+    review). A one-node cluster whose node wants a password, opened without one."""
+    import time
+
+    from accumulator._testing_cluster import LocalCluster
+
+    if find_server_binary() is None:
+        pytest.skip("no redis-server binary (scripts/test.sh installs one)")
+    with LocalCluster(primaries=1, replicas_each=0) as nodes:
+        for server in nodes.servers:
+            with server.client() as client:
+                client.config_set("requirepass", PW)
+        t0 = time.monotonic()
+        with pytest.raises(accumulator.PermissionDeniedError, match="refused the login"):
+            _open_and_close(twin, nodes.cluster_url)
+        assert time.monotonic() - t0 < 3.0  # (the default window: 30 s)
+
+
+@pytest.mark.parametrize("twin", ["sync", "asyncio"])
 def test_a_database_the_server_lacks_is_an_invalid_argument(locked: RedisServer,
                                                             twin: str) -> None:  # fmt: skip
     url = _with_password(locked.url).rsplit("/", 1)[0] + "/99"

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 from _helpers import aclient
+from redis import exceptions as redis_exceptions
 
 import accumulator
 from accumulator import _scripts, aio
@@ -356,6 +357,50 @@ def test_a_take_cut_off_by_a_frozen_server_raises_when_the_window_says(own_serve
         took = asyncio.run(main())
     # a 2 s slice + 1 s to notice, the window, two more 1 s timeouts (+ 1 s slack)
     assert took < 2 + 1 + window + 2 * 1 + 1.0, took
+
+
+def test_a_one_try_call_is_tried_once_in_a_batch_of_takes_too(own_server):
+    """``Call.window``: the chief's takes run together (``_together``), and a take's
+    withdrawal after an outage took a whole retry window more there (code review)."""
+    from accumulator import _together
+    from accumulator._take import leave_call
+
+    acc = accumulator.ConditionalAccumulator(np.float32, SMALL, shared_name="t",
+                                             client=own_server.url, retry_window=3)  # fmt: skip
+    acc.num_accumulated()
+    own_server.server.kill()
+    calls = {0: leave_call(acc._keys, "taker-x", acc._schema, 0),
+             1: leave_call(acc._keys, "taker-y", acc._schema)}  # fmt: skip
+    t0 = time.monotonic()
+    replies = _together._calls([(acc, None), (acc, None)], {0: calls[0]})
+    once = time.monotonic() - t0
+    t0 = time.monotonic()
+    again = _together._calls([(acc, None), (acc, None)], {1: calls[1]})
+    windowed = time.monotonic() - t0
+    acc.close()
+    assert isinstance(replies[0][1], accumulator.UnavailableError)
+    assert isinstance(again[1][1], accumulator.UnavailableError)
+    assert once < 1.5 < windowed, (once, windowed)  # one try against the 3 s window
+
+
+def test_an_error_reply_is_raised_as_it_came():
+    """A ResponseError that is not a connection's database refusal goes through the retry
+    layer untouched (it was raised from itself: its own ``__cause__``; code review)."""
+    from accumulator import _retry
+
+    def wrongtype() -> None:
+        raise redis_exceptions.ResponseError("WRONGTYPE Operation against a key")
+
+    with pytest.raises(redis_exceptions.ResponseError) as caught:
+        _retry.call(wrongtype, "x")
+    assert caught.value.__cause__ is None
+
+    async def awrongtype() -> None:
+        wrongtype()
+
+    with pytest.raises(redis_exceptions.ResponseError) as caught:
+        asyncio.run(_retry.acall(awrongtype, "x"))
+    assert caught.value.__cause__ is None
 
 
 def test_an_asyncio_clients_twin_retries_no_timeouts_itself(own_server):

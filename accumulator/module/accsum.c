@@ -153,7 +153,10 @@ typedef void (*Kernel)(unsigned char *dst, const unsigned char *src, size_t n);
     }
 
 FLOAT_KERNELS(base, )
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(ACCSUM_NO_DISPATCH)
+/* (target("avx512f") needs gcc 5 or clang 4: older compilers build the base kernels only) */
+#if defined(__x86_64__) && !defined(ACCSUM_NO_DISPATCH) && \
+    ((defined(__clang__) && __clang_major__ >= 4) || \
+     (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 5))
 #define ACCSUM_DISPATCH 1
 FLOAT_KERNELS(avx2, __attribute__((target("avx2"))))
 FLOAT_KERNELS(avx512, __attribute__((target("avx512f"))))

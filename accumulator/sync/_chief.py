@@ -585,8 +585,10 @@ class ParameterServer(_Job):
         the step it publishes next, so that stale pushes are dropped again (left behind, they
         would accept any push of a step between theirs and the chief's)."""
         assert self._step is not None
+        step = self._step
         behind = [unit for unit in taken
-                  if (self._accs[unit.name]._claimed_step or self._step + 1) <= self._step]
+                  if (claimed := self._accs[unit.name]._claimed_step) is not None
+                  and claimed <= step]  # fmt: skip
         if not behind:
             return
         logger.warning(
