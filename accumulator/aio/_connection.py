@@ -216,10 +216,14 @@ async def send(conn: Any, pieces: list[Any]) -> None:
         await _send_pieces(conn, pieces)
         return
     writer.write(pieces[0])
-    if not writer.transport.get_write_buffer_size():
-        return  # all of it in the kernel's buffer
+    if writer.transport.get_write_buffer_size():  # (0: all of it in the kernel's buffer)
+        await _drained(writer, conn.socket_timeout)
+
+
+async def _drained(writer: asyncio.StreamWriter, timeout: float | None) -> None:
+    """``writer.drain()`` within the socket timeout; its failures as redis-py's errors."""
     try:
-        await asyncio.wait_for(writer.drain(), conn.socket_timeout)
+        await asyncio.wait_for(writer.drain(), timeout)
     except asyncio.TimeoutError:
         raise redis.TimeoutError("Timeout writing to socket") from None
     except OSError as exc:
@@ -237,14 +241,9 @@ async def _send_pieces(conn: Any, pieces: list[Any]) -> None:
         await conn.send_packed_command(pieces)
         return
     await conn.send_packed_command(pieces[:1])  # connects, checks health, as always
-    try:
-        for piece in pieces[1:]:
-            writer.write(piece)
-            await asyncio.wait_for(writer.drain(), conn.socket_timeout)
-    except asyncio.TimeoutError:
-        raise redis.TimeoutError("Timeout writing to socket") from None
-    except OSError as exc:
-        raise redis.ConnectionError(f"writing to socket: {exc}") from exc
+    for piece in pieces[1:]:
+        writer.write(piece)
+        await _drained(writer, conn.socket_timeout)
 
 
 def _packed(commands: Sequence[Sequence[Any]]) -> list[Any]:

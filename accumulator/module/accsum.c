@@ -298,7 +298,8 @@ static int acc_add(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
 }
 
 /* ACC.PING's reply: "accsum <version> kernels=<the float kernels chosen at load>". */
-static char ping_reply[64] = "accsum 1 kernels=base";
+#define PING_PREFIX "accsum 1 kernels="
+static char ping_reply[64] = PING_PREFIX "base";
 
 static int acc_ping(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
     (void)argv;
@@ -321,13 +322,14 @@ int RedisModule_OnLoad(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) 
     const char *chosen;
     if (!little_endian()) return RM_ERR;
     if (resolve_api(ctx) != RM_OK) return RM_ERR;
-    if (argc == 2 && arg_is(argv[0], "kernels") && arg_is(argv[1], "base"))
-        base_only = 1;
-    else if (!(argc == 0 || (argc == 2 && arg_is(argv[0], "kernels") && arg_is(argv[1], "best"))))
+    if (argc == 2 && arg_is(argv[0], "kernels") &&
+        (arg_is(argv[1], "base") || arg_is(argv[1], "best")))
+        base_only = arg_is(argv[1], "base");
+    else if (argc != 0)
         return RM_ERR;
     if (RM_IsModuleNameBusy && RM_IsModuleNameBusy("accsum")) return RM_ERR;
     chosen = pick_kernels(base_only);
-    memcpy(ping_reply + strlen("accsum 1 kernels="), chosen, strlen(chosen) + 1);
+    memcpy(ping_reply + strlen(PING_PREFIX), chosen, strlen(chosen) + 1);
     RM_SetModuleAttribs(ctx, "accsum", ACCSUM_VERSION, RM_APIVER_1);
     if (RM_CreateCommand(ctx, "acc.add", acc_add, "write deny-oom", 1, 2, 1) != RM_OK)
         return RM_ERR;

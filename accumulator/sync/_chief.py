@@ -568,7 +568,7 @@ class ParameterServer(_Job):
             ) from late[0][1]
         if failures:
             raise failures[0][1]
-        self._catch_up(self._units)
+        self._catch_up()
         self._lease.check(renew=False)  # the publish renews it and is fenced by it
         # the gradients stay taken until the update is made (a raising update gets them again)
         grads = _fusion.split(self._units, self._taken)  # a bucket's: views of its array
@@ -577,29 +577,28 @@ class ParameterServer(_Job):
         self._step += 1
         return self._finish_step(final)
 
-    def _catch_up(self, taken: list[Any]) -> None:
+    def _catch_up(self) -> None:
         """Accumulators whose rounds came from an earlier step than this chief's: Redis went
         back (restarted from an older snapshot, failed over to a replica behind), and the
         workers that saw it pushed for that step (``Worker.pull``). The gradients are applied
         to this chief's parameters, the newest there are, and those accumulators are set to
         the step it publishes next, so that stale pushes are dropped again (left behind, they
         would accept any push of a step between theirs and the chief's)."""
-        assert self._step is not None
-        step = self._step
-        behind = [unit for unit in taken
-                  if (claimed := self._accs[unit.name]._claimed_step) is not None
-                  and claimed <= step]  # fmt: skip
+        step = cast(int, self._step)
+        behind = [(unit, after) for unit in self._units
+                  if (after := self._accs[unit.name]._claimed_step) is not None
+                  and after <= step]  # fmt: skip
         if not behind:
             return
+        unit, after = behind[0]
         logger.warning(
             "sync job %r: the round of %s came from step %d, this chief is at step %d (Redis "
             "lost writes: restarted from an older snapshot, or failed over to a replica "
             "behind); applied to this chief's parameters, and the accumulators set to step %d",
-            self.job, behind[0].describe(), cast(int, self._accs[behind[0].name]._claimed_step) - 1,
-            self._step, self._step + 1,
+            self.job, unit.describe(), after - 1, step, step + 1,
         )  # fmt: skip
-        for unit in behind:
-            self._accs[unit.name].set_global_step(self._step + 1)
+        for unit, _ in behind:
+            self._accs[unit.name].set_global_step(step + 1)
 
     def _finish_step(self, final: bool) -> int:
         """Publish the updated parameters (kept as unpublished while that fails: the next
