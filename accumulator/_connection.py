@@ -34,6 +34,7 @@ from ._urls import (
     check_url,
     cluster_url,
     default_url,
+    pop_socket_timeout,
     sentinel_parts,
     url_options,
 )
@@ -47,13 +48,30 @@ WAIT_SLICE = 2.0
 #: (30 s): a wait on a node that stopped answering (frozen, partitioned: the failover case)
 #: would outlast the take's own deadline by that much.
 BLOCKING_TIMEOUT = WAIT_SLICE + 5.0
+#: Seconds one blocking wait lasts on a Redis Cluster: a wait on a node the slot has left (a
+#: failover, a migration) ends soon.
+CLUSTER_WAIT_SLICE = 0.5
 
 
-def blocking_timeout(socket_timeout: float) -> float:
+def blocking_timeout(socket_timeout: float, wait_slice: float = WAIT_SLICE) -> float:
     """The blocking waits' socket timeout beside commands' of ``socket_timeout``: a slice plus
     at most that (a server that froze under a waiting take is noticed a socket timeout after
     the slice, as a command would notice it; a review measured 7 s with a 1 s timeout)."""
-    return WAIT_SLICE + min(BLOCKING_TIMEOUT - WAIT_SLICE, max(0.5, socket_timeout))
+    return wait_slice + min(BLOCKING_TIMEOUT - WAIT_SLICE, max(0.5, socket_timeout))
+
+
+def cluster_timeouts(source: Any) -> tuple[Any, float, float]:
+    """What our two cluster clients are built from (the given cluster client, synchronous or
+    asyncio, or a plain URL, without its ``socket_timeout``) and their socket timeouts,
+    commands' and waits': the URL's ``?socket_timeout=``, else the given client's own, else
+    ours, as for a single server."""
+    if isinstance(source, str):
+        source, seconds = pop_socket_timeout(source)
+    else:  # (the asyncio cluster client keeps its nodes' settings itself)
+        given = getattr(source, "nodes_manager", source).connection_kwargs
+        seconds = given.get("socket_timeout")
+    timeout = seconds or SOCKET_TIMEOUT
+    return source, timeout, blocking_timeout(timeout, CLUSTER_WAIT_SLICE)
 
 #: Above this size an argument is sent as its own buffer (no copy into one command buffer).
 _BIG_ARG = 64 * 1024
@@ -597,10 +615,10 @@ def _new(client: Any) -> tuple[redis.Redis, redis.Redis]:
         check_url(client)
     plain = cluster_url(client) if isinstance(client, str) else None
     if plain is not None or isinstance(client, RedisCluster):
-        source = plain if plain is not None else client
-        commands = _cluster(source, SOCKET_TIMEOUT)
+        source, timeout, waits = cluster_timeouts(plain or client)
+        commands = _cluster(source, timeout)
         try:
-            return commands, _cluster(source, BLOCKING_TIMEOUT)
+            return commands, _cluster(source, waits)
         except BaseException:
             commands.close()
             raise

@@ -20,7 +20,7 @@ from redis.exceptions import NoScriptError, ResponseError
 
 from . import _private, _retry, _scripts, _take
 from ._cluster_batch import by_node_batch, each, is_script, on_node, per_node
-from ._connection import Client, Connections, connect
+from ._connection import CLUSTER_WAIT_SLICE, Client, Connections, connect
 from ._direct import execute_batch, pooled
 from ._errors import CancelledError
 from ._keys import SCHEMA_VERSION, Keys
@@ -183,8 +183,9 @@ class AccumulatorBase(AccumulatorModel):
             return self._io(request.what,
                             lambda: get_all_into(commands, request.keys, request.into))  # fmt: skip
         if isinstance(request, Pop):
-            # on a cluster, short slices: a wait on a node the slot has left ends soon
-            timeout = min(request.seconds(), 0.5) if self._cluster else request.seconds()
+            timeout = request.seconds()
+            if self._cluster:
+                timeout = min(timeout, CLUSTER_WAIT_SLICE)
             then: list[Any] = []  # the reply of request.then, when made here
             waited = self._wait(self._blpop, self._conns.blocking, request.key, timeout,
                                 request.then, then)  # fmt: skip

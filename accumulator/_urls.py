@@ -7,7 +7,7 @@ import os
 import re
 import socket
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from redis.exceptions import AuthenticationError, AuthorizationError, RedisError
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -97,6 +97,25 @@ def cluster_url(url: str) -> str | None:
         if url.startswith(scheme):
             return scheme.replace("+cluster", "") + url[len(scheme) :]
     return None
+
+
+def pop_socket_timeout(url: str) -> tuple[str, float | None]:
+    """``url`` without its ``socket_timeout`` query option, and that option's seconds (None:
+    not given). redis-py's URL options win over a client's arguments: taken out, the waits'
+    connections of a cluster get a timeout of their own, longer than a wait slice."""
+    parts = urlsplit(url)
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    given = [value for name, value in query if name == "socket_timeout"]
+    if not given:
+        return url, None
+    try:
+        seconds = float(given[-1])
+    except ValueError:
+        raise InvalidArgumentError(
+            f"socket_timeout in the URL {redact_url(url)!r} must be seconds, not {given[-1]!r}"
+        ) from None
+    rest = urlencode([(name, value) for name, value in query if name != "socket_timeout"])
+    return urlunsplit(parts._replace(query=rest)), seconds
 
 
 def sentinel_parts(url: str) -> tuple[list[tuple[str, int]], str, dict[str, Any]] | None:

@@ -370,3 +370,70 @@ def test_a_frozen_primary_is_given_up_after_the_window_not_the_cluster_clients_r
         finally:
             os.kill(owner.pid, signal.SIGCONT)
     assert took < 5, took  # two tries of a 1 s timeout (+ slack); ~22 s before
+
+
+@pytest.mark.parametrize("twin", ["sync", "asyncio"])
+@pytest.mark.parametrize("form", ["client", "url"])
+def test_a_clusters_socket_timeout_is_kept_and_its_waits_get_a_slice_more(form, twin):
+    """The socket timeout of a cluster URL (``?socket_timeout=``) or of a given cluster client
+    is the commands', and the waits' is one cluster wait slice (0.5 s) more: a take waiting on
+    a frozen primary gives up as soon as on a single server. The waits kept 7 s before, and a
+    client's own timeout was not kept at all (30 s)."""
+    from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
+
+    from accumulator import aio
+
+    if find_server_binary() is None:
+        pytest.skip("no redis-server binary (scripts/test.sh installs one)")
+    with LocalCluster(primaries=3, replicas_each=0) as nodes:
+        url = nodes.cluster_url + "?socket_timeout=1&client_name=ours"
+        host, port = nodes.cluster_url.split("://")[1].split(":")
+        if form == "url":
+            given: object = url
+        elif twin == "sync":
+            given = nodes.client(socket_timeout=1)
+        else:
+            given = AsyncRedisCluster(host=host, port=int(port), socket_timeout=1)
+        probe = accumulator.ConditionalAccumulator(np.float32, (4,), shared_name="wt", client=url)
+        owner = nodes.owner(nodes.client().keyslot(probe._keys.state))
+        probe.close()
+
+        def settings(conns: object) -> list[tuple[float, str | None]]:
+            out = []
+            for c in (conns.commands, conns.blocking):  # type: ignore[attr-defined]
+                kw = c.nodes_manager.connection_kwargs if twin == "sync" else c.connection_kwargs
+                out.append((kw["socket_timeout"], kw.get("client_name")))
+            return out
+
+        def take_frozen() -> tuple[list[tuple[float, str | None]], float]:
+            if twin == "sync":
+                acc = accumulator.ConditionalAccumulator(np.float32, (4,), shared_name="wt",
+                                                         client=given, retry_window=1)  # fmt: skip
+                seen = settings(acc._conns)
+                threading.Timer(1.0, os.kill, (owner.pid, signal.SIGSTOP)).start()
+                t0 = time.monotonic()
+                with pytest.raises(accumulator.UnavailableError):
+                    acc.take_grad(1, timeout=60)
+                return seen, time.monotonic() - t0 - 1.0
+
+            async def main() -> tuple[list[tuple[float, str | None]], float]:
+                opened = aio.ConditionalAccumulator(np.float32, (4,), shared_name="wt",
+                                                    client=given, retry_window=1)  # fmt: skip
+                async with opened as acc:
+                    seen = settings(acc._conns)
+                    asyncio.get_running_loop().call_later(1.0, os.kill, owner.pid, signal.SIGSTOP)
+                    t0 = time.monotonic()
+                    with pytest.raises(accumulator.UnavailableError):
+                        await acc.take_grad(1, timeout=60)
+                    return seen, time.monotonic() - t0 - 1.0
+
+            return asyncio.run(main())
+
+        try:
+            seen, took = take_frozen()
+        finally:
+            os.kill(owner.pid, signal.SIGCONT)
+    name = "ours" if form == "url" else None
+    assert seen == [(1.0, name), (1.5, name)]
+    # a slice and a socket timeout of the wait, the retry window, one try to withdraw (+ slack)
+    assert took < 7, took

@@ -24,8 +24,8 @@ from redis.exceptions import ResponseError
 
 from .. import _scripts
 from .._connection import (
-    BLOCKING_TIMEOUT,
     blocking_timeout,
+    cluster_timeouts,
     node_settings,
     pack,
     release,
@@ -371,9 +371,9 @@ def connect(client: AsyncClient) -> AsyncConnections:
             check_url(client)
         plain = cluster_url(client) if isinstance(client, str) else None
         if plain is not None or isinstance(client, AsyncRedisCluster):
-            source = plain if plain is not None else client
-            commands = _cluster(source, SOCKET_TIMEOUT)
-            blocking = _cluster(source, BLOCKING_TIMEOUT)
+            source, timeout, waits = cluster_timeouts(plain or client)
+            commands = _cluster(source, timeout)
+            blocking = _cluster(source, waits)
             _SHARED[key] = _Entry(commands, blocking, 1, origin, loop)
             return AsyncConnections(commands, blocking, key)
         base = _url_client(client) if isinstance(client, str) else client

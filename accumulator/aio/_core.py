@@ -17,6 +17,7 @@ from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.exceptions import NoScriptError, ResponseError
 
 from .. import _private, _retry, _scripts
+from .._connection import CLUSTER_WAIT_SLICE
 from .._errors import AccumulatorError, CancelledError
 from .._model import AccumulatorModel, server_of
 from .._requests import (
@@ -343,7 +344,8 @@ class AccumulatorBase(AccumulatorModel):
         if isinstance(request, Pop):
             then: list[Any] = []  # the reply of request.then, when made here
             if is_cluster(conns.blocking):  # routed by key; short slices keep it closable
-                blocking, key, seconds = conns.blocking, request.key, min(request.seconds(), 0.5)
+                blocking, key = conns.blocking, request.key
+                seconds = min(request.seconds(), CLUSTER_WAIT_SLICE)
                 waited = await self._wait(lambda: blocking.blpop([key], seconds))
             else:
                 waited = await self._wait(lambda: self._blpop(
