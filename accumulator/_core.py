@@ -8,6 +8,7 @@ thread. Kind-specific code (validation, payload layout, reduction) lives in
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import weakref
@@ -55,9 +56,10 @@ def leave(client: redis.Redis, keys: Keys, taker: str, schema: int = SCHEMA_VERS
     return int(_scripts.call(client, call.name, call.keys, call.args))
 
 
-def _delete_keys(conns: Connections, keys: Keys, identities: Identities) -> None:
+def _delete_keys(conns: Connections, keys: Keys, identities: Identities, pid: int) -> None:
     try:
-        _private.run(conns.commands, _private.delete_ops(keys, list(identities.client_ids)))
+        if os.getpid() == pid:  # (a forked child's copy: its creator's keys stay)
+            _private.run(conns.commands, _private.delete_ops(keys, list(identities.client_ids)))
     except Exception:  # noqa: BLE001 - best effort at close/finalize time (the keys expire)
         logger.debug("could not delete private accumulator %s", keys.base, exc_info=True)
     finally:
@@ -100,7 +102,8 @@ class AccumulatorBase(AccumulatorModel):
             self._conns.close()  # its share of the pools
             raise
         self._finalizer = (
-            weakref.finalize(self, _delete_keys, self._conns, self._keys, self._identities)
+            weakref.finalize(self, _delete_keys, self._conns, self._keys, self._identities,
+                             self._pid)  # fmt: skip
             if self._private
             else weakref.finalize(self, self._conns.close)
         )

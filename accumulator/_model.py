@@ -350,6 +350,9 @@ class AccumulatorModel:
         )
         self._name = None if name is None else _check_name(name, "name")
         self._private = not shared_name
+        #: the process that made this object: a forked child's copy of a private accumulator
+        #: closes its connections, never the keys of its creator (``_owns_private_keys``)
+        self._pid = os.getpid()
         self._shared_name = shared_name or f"{PRIVATE_PREFIX}{uuid.uuid4().hex}"
         self._container = container
         self._keys = Keys(self._container, self._shared_name)
@@ -422,6 +425,11 @@ class AccumulatorModel:
     def _durability(self) -> Durability | None:
         """What each commit waits for (None: nothing, Redis's default)."""
         return durability_of(self._min_replicas, self._wait_aof, self.durability_timeout)
+
+    def _owns_private_keys(self) -> bool:
+        """Whether closing this object deletes its keys: a private accumulator's, in the
+        process that created it (not in a forked child, whose copy shares them)."""
+        return self._private and os.getpid() == self._pid
 
     def _check_open(self) -> None:
         if self._held_interrupt is not None:

@@ -223,6 +223,45 @@ def test_a_forked_child_applies_under_identities_of_its_own(real):
     assert done.stdout.split() == ["3", "3.0"]
 
 
+FORKED_PRIVATE = """
+import os, sys
+import numpy as np
+import accumulator
+
+acc = accumulator.ConditionalAccumulator(np.float32, (2,), client=sys.argv[1])  # private
+acc.apply_grad(np.ones(2))
+for ending in ("close", "with", "exit"):
+    pid = os.fork()
+    if pid == 0:
+        if ending == "close":
+            acc.close()
+            os._exit(0)
+        if ending == "with":
+            with acc:
+                pass
+            os._exit(0)
+        sys.exit(0)  # (exit hooks run: the finalizers among them)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+print(acc.apply_grad(np.ones(2)), acc.take_grad(2, timeout=5)[0])
+acc.close()
+print(len(list(acc.redis.scan_iter(match="acc:*"))))
+"""
+
+
+def test_a_forked_childs_copy_of_a_private_accumulator_leaves_its_keys_to_the_parent(real):
+    """A child forked from the process that made a private accumulator (a copy of the object)
+    deleted its keys when it closed the copy or exited: the parent's next call raised
+    NotFoundError. The creator's close still deletes them."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", FORKED_PRIVATE, real.url],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "1.0", "0"]
+
+
 def test_the_same_gradient_at_another_step_is_another_apply(target):
     acc = make(target)
     LostApplies(acc, ran=False)

@@ -212,7 +212,7 @@ class AccumulatorBase(AccumulatorModel):
             logger.warning("closing %r with an operation still running after %gs",
                            self._shared_name, CLOSE_GRACE)  # fmt: skip
         try:
-            if self._private:
+            if self._owns_private_keys():
                 ops = _private.delete_ops(self._keys, list(self._identities.client_ids))
                 await _run_plain(conns.commands, ops)
         except Exception:  # noqa: BLE001 - best effort at close time (the keys expire)
