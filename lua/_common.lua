@@ -195,6 +195,13 @@ local function is_own(base, key, kind)
   return string.sub(key, 1, #head) == head and string.find(key, KEY_TAILS[kind], #head + 1) ~= nil
 end
 
+-- The blob key of apply `seq` of the client whose retry record is `dedup` (both checked by
+-- is_own): '<base>:b:<client id>:<seq>'. An apply or a withdraw names its own payload only, so
+-- a refusal, which drops that payload, can never drop another apply's.
+local function apply_blob(base, dedup, seq)
+  return base .. ':b:' .. string.sub(dedup, #base + 4) .. ':' .. seq
+end
+
 -- Large payloads are stored in parts of CHUNK bytes (the last one shorter), never one value:
 -- no command moves more than a chunk. accumulator/_chunks.py has the same number.
 local CHUNK = 1044480  -- 1 MiB - 4 KiB: why, see _chunks.py
@@ -313,6 +320,32 @@ end
 local function count_in_sum(grads, sum)
   redis.call('LSET', grads, '0', 's' .. int_str(entry_weight(sum) + 1) .. ' ' ..
     string.match(sum, '^s%d+ (.+)$'))
+end
+
+-- Whether a round holds the payload of blob key `blob`: the pending round (list `grads`:
+-- an entry of it, or the running sum that it opened) or a round a taker claimed and is reading
+-- (a claim list of the claim registry `claims`). A late copy of an apply (see apply.lua) must
+-- not drop the payload the apply it copies was accepted with.
+-- (true too when it cannot tell: a read refused by the ACL or by a foreign value's type)
+local function round_holds(base, grads, claims, blob)
+  local lists = {grads}
+  local takers = redis.pcall('HKEYS', claims)
+  if takers.err then return true end
+  for _, taker in ipairs(takers) do
+    local claim = base .. ':c:' .. taker
+    if is_own(base, claim, 'c') then lists[#lists + 1] = claim end
+  end
+  for _, list in ipairs(lists) do
+    local entries = redis.pcall('LRANGE', list, 0, -1)
+    if entries.err then return true end
+    for _, entry in ipairs(entries) do
+      if string.sub(entry, 1, 1) ~= 'i'
+          and (entry == 'k' .. blob or string.sub(entry, -#blob - 1) == ' ' .. blob) then
+        return true
+      end
+    end
+  end
+  return false
 end
 
 -- UNLINK any number of keys (Lua's unpack stops at a few thousand values).

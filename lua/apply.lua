@@ -30,13 +30,16 @@
 local state, grads, dedup, blob = KEYS[1], KEYS[2], KEYS[3], KEYS[7]
 local base, kerr = own_keys({':g', '', ':t', ':ti', ':w', '', ':o'})
 if not base then return kerr end
-if not is_own(base, dedup, 'd') or not is_own(base, blob, 'b') then return acc_error('BADKEY') end
+if not is_own(base, dedup, 'd') or not is_own(base, blob, 'b')
+    or blob ~= apply_blob(base, dedup, ARGV[2]) then
+  return acc_error('BADKEY')
+end
 local seq, inline, nbytes = ARGV[2], ARGV[5] == 'i', ARGV[7]
 local spread, orphans = ARGV[5] == 'd', KEYS[8]
 if not (is_count(seq) and is_int64(ARGV[3])
     and (inline or ARGV[5] == 'k' or ARGV[5] == 'p' or spread)
-    and string.find(ARGV[4], '^[%d,]*$') and is_count(nbytes) and is_count(ARGV[8])
-    and ARGV[8] ~= '0' and is_inst(ARGV[10])
+    and string.find(ARGV[4], '^[%d,]*$') and #ARGV[4] <= 2048 and is_count(nbytes)
+    and is_count(ARGV[8]) and ARGV[8] ~= '0' and ARGV[9] and is_inst(ARGV[10]) and #ARGV <= 10
     and (not inline or (string.sub(ARGV[6], 1, 1) == 'i' and #ARGV[6] - 1 == tonumber(nbytes)))) then
   return acc_error('BADARG apply')
 end
@@ -129,7 +132,13 @@ if prev then
     return {pres == '0' and 0 or 1, step, count, 1}
   end
   if is_count(pseq) and int_cmp(seq, pseq) < 0 then
-    drop_payload()
+    -- its payload keys are the copied apply's: held by a round if that apply was accepted
+    -- (the copy's SET NX wrote nothing then; a spread copy registered its entry again)
+    if inline or not round_holds(base, grads, base .. ':cl', blob) then
+      drop_payload()
+    elseif spread then
+      redis.call('ZREM', orphans, entry)
+    end
     return {0, step, count, 1}
   end
 end

@@ -17,7 +17,10 @@
 local dedup, blob, seq = KEYS[2], KEYS[3], ARGV[1]
 local base, kerr = own_keys({'', ''})
 if not base then return kerr end
-if not is_own(base, dedup, 'd') or not is_own(base, blob, 'b') then return acc_error('BADKEY') end
+if not is_own(base, dedup, 'd') or not is_own(base, blob, 'b')
+    or blob ~= apply_blob(base, dedup, seq) then
+  return acc_error('BADKEY')
+end
 local fence = ARGV[3] or ''
 if not (is_count(seq) and is_count(ARGV[2]) and (fence == '' or (is_count(fence) and fence ~= '0'))) then
   return acc_error('BADARG withdraw')

@@ -15,6 +15,7 @@ from _helpers import entry_key_names
 
 import accumulator
 from accumulator import _reduce, _scripts, _take
+from accumulator._codec import shape_token
 from accumulator._keys import Keys
 
 SMALL = (3, 2)
@@ -657,6 +658,37 @@ def test_apply_script_refuses_garbage_before_any_write(target, field, value):
     assert snapshot(r) == before
 
 
+@pytest.mark.parametrize("refusal", ["schema", "instance", "length", "stale"])
+def test_a_refused_apply_drops_no_payload_but_its_own(target, refusal):
+    """An apply names the payload key of its own (client id, seq) only: one naming another's
+    (a payload the round holds) is refused before anything is written. Its refusals drop the
+    payload it names: the schema's, the instance's, a missing payload's and a stale one's
+    dropped any payload of the accumulator, the round's running sum among them (review)."""
+    acc = make(target, shape=LARGE)
+    acc.apply_grad(np.ones(LARGE))
+    acc.apply_grad(np.full(LARGE, 3.0))
+    k, r = acc._keys, target.redis()
+    # a payload the round holds (spread over other slots on a cluster: its blob key named)
+    part = next(iter(r.scan_iter(match=f"{k.base}:b:*")), None)
+    blob = part.decode().rsplit(":", 1)[0] if part else k.blob(acc._identities.client_ids[0], 1)
+    keys = [k.state, k.grads, k.dedup("ff"), k.takers, k.taker_info, k.wake, blob, k.orphans]
+    args: list[object] = [acc._schema, 1, 0, shape_token(LARGE), "p", b"", 4 * 64 * 1024,
+                          60000, "", acc._instance]  # fmt: skip
+    if refusal == "schema":
+        args[0] = 9
+    elif refusal == "instance":
+        args[9] = "ab" * 16
+    elif refusal == "length":
+        args[6] = 5
+    else:
+        args[2] = -1
+    before = snapshot(r)
+    with pytest.raises(accumulator.AccumulatorError, match="BADKEY"):
+        _scripts.call(acc.redis, "apply", keys, args)
+    assert snapshot(r) == before
+    np.testing.assert_array_equal(acc.take_grad(2, timeout=5), np.full(LARGE, 2.0))
+
+
 @pytest.mark.parametrize("script", ["take", "set_step", "seal"])
 @pytest.mark.parametrize("inst", ["not hex", "a" * 33])
 def test_the_instance_id_of_other_scripts_is_checked_before_any_write(target, script, inst):
@@ -873,7 +905,8 @@ def test_keys_helper_recognises_only_own_blob_keys():
 
 @pytest.mark.parametrize(
     "case", ["state key", "foreign dedup", "foreign blob", "other's blob", "seq", "bytes",
-             "too many parts", "fence 0", "fence"],
+             "too many parts", "fence 0", "fence", "another client's blob",
+             "another apply's blob"],
 )  # fmt: skip
 def test_the_withdraw_refuses_garbage_before_any_write(target, case):
     """``lua/withdraw.lua`` deletes only the parts of its own accumulator's payload: garbage
@@ -902,6 +935,11 @@ def test_the_withdraw_refuses_garbage_before_any_write(target, case):
         args.append("0")  # (an expiry Redis would refuse after the deletes)
     elif case == "fence":
         args.append("1e5")
+    elif case in ("another client's blob", "another apply's blob"):
+        # (a payload of the round, say: a withdraw names its own apply's only; review)
+        keys[2] = k.blob("cd", 1) if case == "another client's blob" else k.blob("ab", 2)
+        for i in range(2):
+            r.set(k.part(keys[2], i), b"y", px=60_000)
     else:
         args[1] = 1 << 50
     before = snapshot(r)
