@@ -132,6 +132,9 @@ end
 local STATE_INTS = {step = false, count = false, gen = false, bytes = false, ttl = '0',
   n_taken = '0', grads_taken = '0', n_applied = '0', maxbytes = false, sealed = false}
 local STATE_OPTIONAL = {maxbytes = true, sealed = true}
+-- What the state field 'sum' may hold: a dtype the accsum module adds (accumulator/_module.py).
+local SUM_DTYPES = {f32 = true, f64 = true, i8 = true, u8 = true, i16 = true, u16 = true,
+  i32 = true, u32 = true, i64 = true, u64 = true}
 
 -- One HMGET for the schema check, the instance check (`inst`: the id the caller's object
 -- opened; nil or '': none) and the fields a script needs (a call per field costs more than the
@@ -169,17 +172,27 @@ local function read_state(state, want, fields, inst)
           string.format('%q', string.sub(value, 1, 40)) .. ', not a number it can hold')
       end
     end
+    if name == 'sum' and value and not SUM_DTYPES[value] then
+      return acc_error('BADSTATE the state field sum holds ' ..
+        string.format('%q', string.sub(value, 1, 40)) .. ', not a dtype the accsum module adds')
+    end
     out[name] = value
   end
   return nil, out
 end
 
+-- The base of an accumulator's state key, '<base>:s' with base '<prefix>:{<tag>}' (braces in
+-- the tag are escaped: accumulator/_keys.py, hash_tag), or nil: no other key is one.
+local function state_base(state)
+  if type(state) ~= 'string' or not string.find(state, '^[^{}]+:{[^{}]*}:s$') then return nil end
+  return string.sub(state, 1, -3)
+end
+
 -- Every key a script touches is one of its own accumulator's: KEYS[1] is '<base>:s' and each
 -- other key must be '<base>' .. the given suffix. Returns the base, or nil and an error reply.
 local function own_keys(suffixes)
-  local state = KEYS[1]
-  if string.sub(state, -2) ~= ':s' then return nil, acc_error('BADKEY 1') end
-  local base = string.sub(state, 1, -3)
+  local base = state_base(KEYS[1])
+  if not base then return nil, acc_error('BADKEY 1') end
   for i, suffix in ipairs(suffixes) do
     if suffix ~= '' and KEYS[i + 1] ~= base .. suffix then return nil, acc_error('BADKEY ' .. (i + 1)) end
   end

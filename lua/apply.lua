@@ -178,6 +178,9 @@ if summing then
     local head = redis.call('LINDEX', grads, '0')
     if head and string.sub(head, 1, 1) == 's' then
       local hkeys = entry_keys(base, head)
+      if hkeys and hkeys[1] == payload_keys[1] then  -- (never this apply's own, nor dropped)
+        return acc_error('BADARG apply: its payload key is the running sum\'s')
+      end
       if hkeys and #hkeys == #payload_keys and entry_length(head, hkeys) == tonumber(nbytes) then
         into = {head, hkeys}
       end

@@ -37,6 +37,20 @@ if not mark then
   return redis.call('ZSCORE', done, me) and 1 or 0
 end
 if string.find(mark, '^done ') then return 1 end  -- written by clients before the zset
+-- the payload keys it unlinks are those its claim's entries name (looked at only then: a
+-- round of inline payloads names none, and is not read into Lua)
+local entries = (#KEYS > 5 or ARGV[2] ~= '0') and redis.call('LRANGE', claim, '1', '-1') or {}
+local keys = {claim}
+if #KEYS > 5 then
+  local named = {}
+  for _, entry in ipairs(entries) do
+    for _, key in ipairs(entry_keys(base, entry) or {}) do named[key] = true end
+  end
+  for i = 6, #KEYS do
+    if not named[KEYS[i]] then return acc_error('BADKEY ' .. i .. ': not a payload of its claim') end
+    keys[#keys + 1] = KEYS[i]
+  end
+end
 local now = now_ms()
 redis.call('HDEL', KEYS[3], me)
 redis.call('ZADD', done, now, me)
@@ -44,10 +58,8 @@ redis.call('ZREMRANGEBYSCORE', done, '-inf', '(' .. int_str(now - FINISH_MEMORY_
 redis.call('PEXPIRE', done, FINISH_MEMORY_MS)
 local garbage = {}
 if ARGV[2] ~= '0' then
-  garbage = discard_spread(base, KEYS[5], redis.call('LRANGE', claim, '1', '-1'), now + SWEEP_LEASE_MS)
+  garbage = discard_spread(base, KEYS[5], entries, now + SWEEP_LEASE_MS)
 end
-local keys = {claim}
-for i = 6, #KEYS do keys[#keys + 1] = KEYS[i] end
 unlink_all(keys)
 if #garbage > 0 then return {1, garbage} end
 return 1

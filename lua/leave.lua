@@ -12,7 +12,8 @@
 local takers, me, claim, grads = KEYS[2], ARGV[1], KEYS[6], KEYS[7]
 local base, kerr = own_keys({':t', ':ti', ':w', ':q', '', ':g', ':cl'})
 if not base then return kerr end
-if claim ~= base .. ':c:' .. me or not is_own(base, claim, 'c') then
+if claim ~= base .. ':c:' .. me or not is_own(base, claim, 'c')
+    or not (ARGV[2] == '2' or ARGV[2] == '3') or #ARGV ~= 2 then
   return acc_error('BADARG leave')
 end
 local state = KEYS[1]

@@ -18,8 +18,8 @@
 local state = KEYS[1]
 if not own_keys({}) then return acc_error('BADKEY 1') end
 if not (is_count(ARGV[3]) and is_count(ARGV[4]) and (ARGV[5] == '0' or ARGV[5] == '1')
-    and string.find(ARGV[6] or '', '^[fiu]?%d*$') and (ARGV[1] == '2' or ARGV[1] == '3')
-    and is_inst(ARGV[7])) then
+    and (ARGV[6] == '' or SUM_DTYPES[ARGV[6]]) and (ARGV[1] == '2' or ARGV[1] == '3')
+    and is_inst(ARGV[7]) and #ARGV <= 7) then
   return acc_error('BADARG open')
 end
 local have = redis.pcall('HGET', state, 'schema')

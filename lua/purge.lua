@@ -5,8 +5,9 @@
 -- KEYS[1] state  KEYS[2 ..] keys under '<base>:' (its own slot)
 -- Returns how many of them existed and were unlinked, or -1 (it exists again: none).
 local state = KEYS[1]
-if string.sub(state, -2) ~= ':s' then return acc_error('BADKEY 1') end
-local head = string.sub(state, 1, -2)  -- '<base>:'
+local base = state_base(state)
+if not base then return acc_error('BADKEY 1') end
+local head = base .. ':'
 for i = 2, #KEYS do
   if string.sub(KEYS[i], 1, #head) ~= head then
     return acc_error('BADKEY ' .. i)

@@ -27,12 +27,20 @@
 -- ARGV[9] the announcement  ARGV[10] ms  ARGV[11] m  ARGV[12 ..] field, value pairs of the
 -- published hash (run, step, ten, ...).
 -- The reply is acquire's.
+-- Every mode: the lease key a job's (accsync:{tag}:chief), a chief id, the lease (ms), the
+-- host, the pid and the record's keep as the client sends them, checked before any write.
 local mode = ARGV[1]
 local publish = mode == 'publish'
+local base = type(KEYS[1]) == 'string' and string.match(KEYS[1], '^([^{}]+:{[^{}]*}):chief$')
+if not (base and (mode == 'acquire' or mode == 'renew' or mode == 'release' or publish)
+    and (publish or (#KEYS == 1 and (#ARGV == 6 or #ARGV == 7)))
+    and (ARGV[2] or '') ~= '' and is_count(ARGV[3]) and ARGV[4]
+    and is_count(ARGV[5]) and is_count(ARGV[6])) then
+  return acc_error('BADARG sync_lease')
+end
 if publish then
-  local base = string.match(KEYS[1], '^(.*):chief$')
   local n, m = tonumber(ARGV[7] or ''), tonumber(ARGV[11] or '')
-  if not (base and KEYS[2] == base .. ':p' and is_count(ARGV[3]) and is_count(ARGV[6])
+  if not (KEYS[2] == base .. ':p'
       and is_count(ARGV[7] or '') and is_count(ARGV[10] or '') and is_count(ARGV[11] or '')
       and n + m + 2 <= #KEYS and #ARGV > 11 and (#ARGV - 11) % 2 == 0
       and (ARGV[8] == '' or ARGV[8] == base .. ':ch')) then
@@ -77,8 +85,6 @@ end
 local expires = tonumber(cur[2] or '') or 0
 if mode == 'renew' and not holder then
   return {0, '', '', '', '0', '0'}
-elseif mode ~= 'acquire' and mode ~= 'renew' and not publish then
-  return acc_error('BADARG sync_lease')
 end
 -- A publish that finds no lease at all takes it only when the job's last publish was this
 -- tenure's (the record expired, or Redis lost it alone): else the successor released it (or

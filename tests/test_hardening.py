@@ -241,6 +241,21 @@ _CORRUPT_FIELDS = [("take", "n_taken"), ("take", "bytes"), ("take", "gen"),
 # (a step that is no number is set_step's to repair: test_admin)
 
 
+@pytest.mark.parametrize("value", [b"f", b"u", b"7", b"f16"])
+def test_a_sum_field_that_is_no_module_dtype_is_refused_before_any_write(target, value):
+    """The state's 'sum' (the accsum module's dtype) written by another program: a large
+    apply recorded itself as counted, then failed in the module's add (review's fuzzer)."""
+    if target.kind == "cluster":
+        pytest.skip("no sum in Redis on a cluster: a spread apply registers its parts first")
+    r = target.redis()
+    acc = make(target, shape=LARGE)
+    r.hset(acc._keys.state, "sum", value)
+    before = snapshot(r, f"{acc._keys.base}:*")
+    with pytest.raises(accumulator.AccumulatorError, match="the state field sum holds"):
+        acc.apply_grad(np.ones(LARGE))
+    assert snapshot(r, f"{acc._keys.base}:*") == before
+
+
 @pytest.mark.parametrize(("op", "field"), _CORRUPT_FIELDS)
 @pytest.mark.parametrize("value", [b"x", b"", b"1e400"])
 def test_a_state_field_that_is_no_number_is_refused_before_any_write(target, op, field, value):
@@ -1040,6 +1055,75 @@ def test_the_push_count_refuses_a_foreign_counter_before_any_write(target, field
         return
     with pytest.raises(accumulator.AccumulatorError, match=f"field {field} is not a count"):
         _scripts.call(r, "sync_count", [k.stats, k.params], ["w0", push, outcome])
+    assert snapshot(r) == before
+
+
+@pytest.mark.parametrize(
+    "case", ["state key", "lease inf", "lease -5", "lease hex", "no keep", "no id", "mode"],
+)  # fmt: skip
+def test_the_chief_lease_refuses_garbage_before_any_write(target, case):
+    """``lua/sync_lease.lua`` outside a publish: its key must be a job's lease and its
+    arguments as the client sends them, checked before anything is written: an accumulator's
+    state hash was deleted and made a lease, an 'inf' lease was kept for ever (review)."""
+    from accumulator._keys import SyncKeys
+
+    acc = make(target)
+    acc.apply_grad(np.ones(SMALL))
+    keys = [SyncKeys("", "garbage").base + ":chief"]
+    args: list[object] = ["acquire", "me", 10000, "h", 1, 60000, "t1"]
+    if case == "state key":
+        keys[0] = acc._keys.state
+    elif case == "lease inf":
+        args[2] = "inf"
+    elif case == "lease -5":
+        args[2] = "-5"
+    elif case == "lease hex":
+        args[2] = "0x10"
+    elif case == "no keep":
+        del args[5:]
+    elif case == "no id":
+        args[1] = ""
+    else:
+        args[0] = "steal"
+    r = target.redis()
+    before = snapshot(r)
+    with pytest.raises(accumulator.InvalidArgumentError, match="BADARG"):
+        _scripts.call(r, "sync_lease", keys, args)
+    assert snapshot(r) == before
+    assert acc.take_grad(1, timeout=5) is not None
+
+
+@pytest.mark.parametrize("script", ["purge", "open", "open sum", "leave", "finish"])
+def test_other_scripts_refuse_garbage_before_any_write(target, script):
+    """Found by a review's fuzzer: purge took 'acc:s' for a state key (and unlinked a live
+    accumulator's keys under 'acc:'), open with five arguments created the accumulator, then
+    failed, and accepted any 'sum' of the form [fiu]digits, leave wrote before it checked
+    the schema, finish unlinked any payload key of its accumulator it was given, also one of
+    the pending round."""
+    acc = make(target, shape=LARGE)
+    acc.apply_grad(np.ones(LARGE))
+    k, r = acc._keys, target.redis()
+    part = next(iter(r.scan_iter(match=f"{k.base}:b:*")), None)
+    if script == "purge":
+        if target.kind == "cluster":
+            pytest.skip("another slot: the cluster refuses it first")
+        keys, args = ["acc:s", k.state, k.grads], []
+    elif script.startswith("open"):
+        keys = [Keys("", "new").state]
+        args = [acc._schema, b"def", 0, 100, 0] + ([] if script == "open" else ["f", ""])
+    elif script == "leave":
+        keys, args = _take.leave_call(k, "1-ab").keys, ["1-ab", "x"]
+    else:
+        if part is None:
+            pytest.skip("the parts are spread over other slots")
+        taker = "1-ab"
+        r.hset(k.claims, taker, "99999999999999")  # (a claim of its own, empty)
+        r.rpush(k.claim(taker), "header")
+        keys = [k.state, k.claim(taker), k.claims, k.finished, k.orphans, part]
+        args = [taker, "0"]
+    before = snapshot(r)
+    with pytest.raises(accumulator.AccumulatorError, match="BADARG|BADKEY"):
+        _scripts.call(r, script.split()[0], keys, args)
     assert snapshot(r) == before
 
 
