@@ -6,8 +6,6 @@ accumulator. ``AccumulatorBase`` is the common base class of both kinds (for ``i
 throwaway redis-server for tests, ``accumulator.raw_ops`` TF's raw ops.
 """
 
-from __future__ import annotations
-
 from . import raw_ops
 from ._core import AccumulatorBase
 from ._dense import ConditionalAccumulator

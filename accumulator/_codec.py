@@ -235,10 +235,11 @@ def parse_shape_token(token: str | bytes) -> tuple[int, ...]:
     return tuple(int(d) for d in token.split(",")) if token else ()
 
 
-def scalar_int(value: Any, what: str) -> int:
+def scalar_int(value: Any, what: str, bits: int = 64) -> int:
     """An int64 scalar argument (local_step, num_required, ...): a Python or numpy integer or
     a 0-d integer array. bools, floats (also integral ones), strings and anything of another
-    shape are refused, as are values outside int64."""
+    shape are refused, as are values outside int64 (``bits``: another signed width's range,
+    int32 for TF's num_required)."""
     if _is_int(value):
         out = int(value)
     else:
@@ -257,8 +258,8 @@ def scalar_int(value: Any, what: str) -> int:
         if arr.dtype.kind not in "iu":
             raise InvalidArgumentError(f"{what} must be an integer, got {_short(value)}")
         out = int(arr)
-    if not -(2**63) <= out < 2**63:  # TF's steps are int64
-        raise InvalidArgumentError(f"{what} must fit in int64, got {_short(out)}")
+    if not -(2 ** (bits - 1)) <= out < 2 ** (bits - 1):  # TF's steps are int64
+        raise InvalidArgumentError(f"{what} must fit in int{bits}, got {_short(out)}")
     return out
 
 

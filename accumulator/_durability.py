@@ -39,16 +39,25 @@ class Durability:
             if local < 1:
                 missing.append("the primary's AOF fsync")
             if replicas < self.replicas:
-                missing.append(f"{self.replicas - replicas} of {self.replicas} replicas' fsync")
+                missing.append(_more(self.replicas, replicas, "the AOF fsync"))
             return " and ".join(missing) or None
         acked = int(reply)
         if acked >= self.replicas:
             return None
-        return f"{self.replicas - acked} of {self.replicas} replicas' acknowledgement"
+        return _more(self.replicas, acked, "the acknowledgement")
 
     def describe(self) -> str:
         """The setting, in the words of the constructor."""
         return f"min_replicas={self.replicas}" + (", wait_aof=True" if self.aof else "")
+
+
+def _more(wanted: int, got: int, what: str) -> str:
+    """What ``wanted - got`` replicas still owe, in words: "the acknowledgement of 1 more
+    replica (0 of 1 so far; is any replica connected?)"."""
+    more = wanted - got
+    hint = "; is any replica connected?" if got == 0 else ""
+    return (f"{what} of {more} more replica{'s' if more > 1 else ''} ({got} of {wanted} "
+            f"so far{hint})")  # fmt: skip
 
 
 def durability_of(min_replicas: Any, wait_aof: Any, timeout: float) -> Durability | None:

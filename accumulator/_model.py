@@ -361,6 +361,8 @@ class AccumulatorModel:
         #: the accsum module's dtype when this accumulator keeps its sums in Redis (set by open)
         self._sum_dtype = ""
         self._closed = False
+        #: taker ids of this object's takes whose withdraw failed (_take.take retries them)
+        self._unwithdrawn: list[str] = []
         #: an interrupt (Ctrl-C) that came while a take's finish was in flight: the take
         #: returned its round, and the next call on this object raises it (_check_open)
         self._held_interrupt: BaseException | None = None
@@ -425,6 +427,16 @@ class AccumulatorModel:
     def _durability(self) -> Durability | None:
         """What each commit waits for (None: nothing, Redis's default)."""
         return durability_of(self._min_replicas, self._wait_aof, self.durability_timeout)
+
+    def __reduce__(self) -> Any:
+        """Refused with a hint: the object holds connections and locks (pickled for a
+        process started by ``spawn``/``forkserver``, a worker pool, ...)."""
+        how = ("a private accumulator (no shared_name) is reached by this object and by the "
+               "children forked from its process only" if self._private else
+               f"open it there again by its name: {type(self).__name__}(dtype, shape, "
+               f"shared_name={self._shared_name!r}, client=<its Redis URL>)")  # fmt: skip
+        raise TypeError(f"cannot pickle {type(self).__name__} objects (they hold Redis "
+                        f"connections); to use the accumulator in another process, {how}")
 
     def _owns_private_keys(self) -> bool:
         """Whether closing this object deletes its keys: a private accumulator's, in the

@@ -69,11 +69,9 @@ def leave_call(keys: Keys, taker: str, schema: int = SCHEMA_VERSION,
 
 def check_take_args(num_required: Any, timeout: Any) -> tuple[int, float | None]:
     """``num_required`` and ``timeout`` checked as TF (and our documentation) say."""
-    n = scalar_int(num_required, "num_required")
+    n = scalar_int(num_required, "num_required", bits=32)  # (TF's is an int32)
     if n < 1:
         raise InvalidArgumentError(f"Argument num_required must be positive, but was {n}")
-    if n > 2**31 - 1:  # TF's num_required is an int32
-        raise InvalidArgumentError(f"num_required must fit in int32, got {n}")
     if timeout is None:
         return n, None
     if (
@@ -107,6 +105,9 @@ def take(
         )
     n, seconds = check_take_args(num_required, timeout)
     k = acc._keys
+    for earlier in acc._unwithdrawn[:]:  # (this object's takes whose withdraw failed)
+        acc._unwithdrawn.remove(earlier)
+        yield from _leave(acc, earlier, k.claim(earlier), once=True)
     taker = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
     claim_key = k.claim(taker)
     lease_ms = int(acc.taker_lease * 1000)
@@ -206,6 +207,10 @@ def take(
         if queue is not None:
             yield Unsubscribe(queue)
     return result
+
+
+#: At most this many takers whose withdraw failed an object keeps, to withdraw at its next take.
+MAX_UNWITHDRAWN = 16
 
 
 def _wait_slice(acc: AccumulatorModel, cancel: Cancel | None, deadline: float | None) -> float:
@@ -345,10 +350,15 @@ def _leave(acc: AccumulatorModel, taker: str, claim_key: str, once: bool = False
     try:
         outcome = int((yield leave_call(acc._keys, taker, acc._schema, 0 if once else None)))
     except Exception as exc:  # noqa: BLE001 - the lease expires on its own if Redis is unreachable
-        # (unreachable: one line, the take's own error says the rest; else the traceback)
+        # (unreachable: one line, the take's own error says the rest; else the traceback).
+        # This object's next take withdraws it first: a wait queued when Redis froze may
+        # have renewed its lease since, and a take behind it would wait that lease out.
+        if len(acc._unwithdrawn) < MAX_UNWITHDRAWN:
+            acc._unwithdrawn.append(taker)
         unreachable = isinstance(exc, ConnectionError)
         logger.warning("could not withdraw taker %s from %s%s", taker, acc._keys.base,
-                       f" ({exc}); its lease expires on its own" if unreachable else "",
+                       f" ({exc}); its lease expires on its own, or this object's next take "
+                       "withdraws it" if unreachable else "",
                        exc_info=not unreachable)  # fmt: skip
         return
     if outcome == 1:

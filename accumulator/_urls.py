@@ -73,6 +73,11 @@ def scheme_problem(url: str) -> str | None:
     when nothing is."""
     if not url.startswith(URL_SCHEMES):
         return f"it must start with one of {', '.join(URL_SCHEMES)}"
+    if url.startswith(("redis://", "rediss://", "redis+cluster://", "rediss+cluster://")):
+        try:
+            urlsplit(url).port  # noqa: B018 - (raises on a port that is no number)
+        except ValueError as exc:
+            return f"its port must be a number ({exc})"
     if url.startswith(("redis://", "rediss://")):
         path = urlsplit(url).path
         if path.strip("/") and not re.fullmatch(r"[0-9]+", path.strip("/")):

@@ -37,6 +37,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
+from urllib.parse import quote
 
 import redis
 
@@ -341,9 +342,20 @@ class RedisServer:
         return self._port
 
     @property
+    def password(self) -> str | None:
+        """The password ``args`` set (``["--requirepass", "..."]``), else None: the server is
+        loopback-only and needs none."""
+        args = self._args
+        given = [args[i + 1] for i in range(len(args) - 1) if args[i] == "--requirepass"]
+        return given[-1] if given else None
+
+    @property
     def url(self) -> str:
-        """``redis://127.0.0.1:<port>/0`` (no password: the server is loopback-only)."""
-        return f"redis://{_HOST}:{self.port}/0"
+        """``redis://127.0.0.1:<port>/0``, with the password of ``--requirepass`` when the
+        server was given one (``redis://:PASSWORD@127.0.0.1:<port>/0``)."""
+        password = self.password
+        login = "" if password is None else ":" + quote(password, safe="") + "@"
+        return f"redis://{login}{_HOST}:{self.port}/0"
 
     @property
     def pid(self) -> int | None:
@@ -462,7 +474,9 @@ class RedisServer:
             return self.start()
 
     def client(self, **kwargs: Any) -> redis.Redis:
-        """A ``redis.Redis`` connected to this server; kwargs go to ``redis.Redis``."""
+        """A ``redis.Redis`` connected to this server (with the password of
+        ``--requirepass``, if any); kwargs go to ``redis.Redis``."""
+        kwargs.setdefault("password", self.password)
         return redis.Redis(host=_HOST, port=self.port, db=0, **kwargs)
 
     def __enter__(self) -> RedisServer:

@@ -197,6 +197,14 @@ def test_a_database_that_is_no_number_is_refused() -> None:
         assert _urls.scheme_problem(url) is None, url
 
 
+def test_a_port_that_is_no_number_is_refused_as_ours() -> None:
+    """redis-py's ValueError before (new-user review)."""
+    for url in ("redis://:secret@localhost:abc/0", "redis+cluster://h:6x79"):
+        with pytest.raises(accumulator.InvalidArgumentError, match="port must be a number") as info:
+            accumulator.ConditionalAccumulator(np.float32, (2,), shared_name="u", client=url)
+        assert "secret" not in str(info.value)
+
+
 def test_a_url_of_another_scheme_is_refused_naming_every_scheme_we_take() -> None:
     """redis-py's own error lists only redis://, rediss:// and unix://; ours lists the cluster
     and Sentinel schemes too, is an InvalidArgumentError (also in the CLI: usage, exit 2),

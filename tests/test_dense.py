@@ -92,6 +92,19 @@ def test_private_accumulators_are_unreachable_and_cleaned_up(target):
         a.num_accumulated()
 
 
+@pytest.mark.parametrize("private", [False, True], ids=["named", "private"])
+def test_pickling_an_accumulator_says_how_to_reach_it_from_another_process(target, private):
+    """Passed to a process started by spawn: "cannot pickle '_thread.lock' object" (review)."""
+    import pickle
+
+    acc = accumulator.ConditionalAccumulator(np.float32, shape=SMALL, client=target.client(),
+                                             shared_name=None if private else "pk")  # fmt: skip
+    hint = "forked from its process only" if private else "shared_name='pk', client="
+    with pytest.raises(TypeError, match=f"cannot pickle ConditionalAccumulator.*{hint}"):
+        pickle.dumps(acc)
+    acc.close()
+
+
 def test_closing_a_private_accumulator_deletes_every_key_without_a_scan(target):
     """close() finds a private accumulator's keys by what names them (a SCAN walks the
     whole keyspace: seconds on a Redis shared with millions of keys): a finished take's

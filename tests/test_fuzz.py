@@ -399,6 +399,13 @@ def test_take_a_huge_num_required_times_out(target, request, kind):
         )
 
 
+@pytest.mark.parametrize("n", [2**31, 2**40, 2**63, 2**70])
+def test_num_required_beyond_int32_says_int32(dense, n):
+    """TF's num_required is an int32: past int64 the message said int64 (review)."""
+    with pytest.raises(InvalidArgumentError, match="num_required must fit in int32"):
+        dense.take_grad(n, timeout=0.01)
+
+
 # -- set_global_step --------------------------------------------------------------------------
 
 

@@ -113,3 +113,31 @@ def test_the_sparse_take_takes_a_cancel_event(target):
     with pytest.raises(accumulator.CancelledError):
         acc.take_indexed_slices_grad(1, cancel=cancel)
     assert acc.take_indexed_slices_grad(1).indices.tolist() == [1]
+
+
+def test_a_take_whose_withdraw_failed_is_withdrawn_by_the_objects_next_take(target, caplog):
+    """A take that gave up while Redis was unreachable could not withdraw from the queue of
+    takers: the next take waited behind it until its lease ran out (a wait queued during the
+    outage even renewed it; new-user review). The object's next take withdraws it first."""
+    from accumulator._requests import Call
+
+    acc = accumulator.ConditionalAccumulator(np.float32, (2,), shared_name="uw",
+                                             client=target.client())  # fmt: skip
+    acc.taker_lease = 60.0  # (a lease the second take would wait out)
+    do, failed = acc._do, []
+
+    def withdraw_fails_once(request):
+        if isinstance(request, Call) and request.name == "leave" and not failed:
+            failed.append(request)
+            raise accumulator.UnavailableError("Redis unreachable (simulated)")
+        return do(request)
+
+    acc._do = withdraw_fails_once
+    with pytest.raises(accumulator.DeadlineExceededError):
+        acc.take_grad(1, timeout=0.2)
+    assert failed and "next take withdraws it" in caplog.text
+    acc.apply_grad(np.ones(2))
+    t0 = time.monotonic()
+    np.testing.assert_array_equal(acc.take_grad(1, timeout=20), np.ones(2))
+    assert time.monotonic() - t0 < 10  # not the earlier take's 60 s lease
+    assert acc._unwithdrawn == []

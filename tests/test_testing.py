@@ -63,6 +63,20 @@ def test_start_and_url_answers_ping(server: RedisServer) -> None:
 
 
 @pytest.mark.real
+def test_a_password_given_in_args_is_in_url_and_client(binary: str) -> None:
+    """``--requirepass`` in ``args``: ``url`` and ``client()`` log in with it (they had no
+    password: every use failed with NOAUTH; new-user review)."""
+    with RedisServer(binary, args=["--requirepass", "s3c:r/et"]) as srv:
+        assert srv.password == "s3c:r/et"
+        assert srv.url == f"redis://:s3c%3Ar%2Fet@127.0.0.1:{srv.port}/0"
+        for r in (redis.Redis.from_url(srv.url), srv.client()):
+            assert r.ping() is True
+            r.close()
+        with pytest.raises(redis.AuthenticationError):
+            srv.client(password=None).ping()
+
+
+@pytest.mark.real
 def test_client_kwargs_and_no_persistence(server: RedisServer) -> None:
     r = server.client(decode_responses=True)
     r.set("k", "v")
