@@ -78,7 +78,8 @@ def test_an_apply_the_replica_does_not_confirm_raises_and_counts_once(servers, s
 def test_more_replicas_than_the_server_has_time_out(servers):
     acc = make(servers, min_replicas=2)
     acc.durability_timeout = 0.2
-    with pytest.raises(accumulator.NotDurableError, match=r"acknowledgement of 1 more replica \(1 of 2 so far\)"):
+    missing = r"acknowledgement of 1 more replica \(1 of 2 so far\)"
+    with pytest.raises(accumulator.NotDurableError, match=missing):
         acc.apply_grad(np.ones(3))
     assert acc.apply_grad(np.ones(3), local_step=-1) is False  # stale: nothing to confirm
 
