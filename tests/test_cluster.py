@@ -435,5 +435,6 @@ def test_a_clusters_socket_timeout_is_kept_and_its_waits_get_a_slice_more(form, 
             os.kill(owner.pid, signal.SIGCONT)
     name = "ours" if form == "url" else None
     assert seen == [(1.0, name), (1.5, name)]
-    # a slice and a socket timeout of the wait, the retry window, one try to withdraw (+ slack)
-    assert took < 7, took
+    # a slice and a socket timeout of the wait, the retry window, one try to withdraw: ~5 s
+    # (no hang; generous for a loaded machine, 7.8 s seen: the timeouts above are the fix)
+    assert took < 15, took
