@@ -643,6 +643,41 @@ def test_a_job_rolled_back_by_a_restart_from_an_older_snapshot_goes_on(caplog):
         ps.close()
 
 
+def test_a_publish_lost_by_a_failover_is_published_again(target, caplog):
+    """A failover to a replica that had not got the chief's last publish (the job's slot),
+    while the accumulators (other slots, other primaries) kept the step the chief's takes
+    advanced them to: the published step went back by one. Workers waited for the chief's
+    step, whose gradients the chief waited for: both for ever (a review's cluster drill).
+    The chief's lease thread sees the published step behind its own and the chief publishes
+    again."""
+    ps = ParameterServer("lostpub", replicas_to_aggregate=1, client=target.client(),
+                         chief_lease=1.5)  # (renewed, and so looked at, every 0.5 s)
+    ps.initialize({"w": np.zeros(3)})
+    worker = Worker("lostpub", client=target.client(), worker_id="w0")
+    step, _ = worker.pull(timeout=10)
+    worker.push(step, {"w": np.ones(3)})
+    assert ps.step(1.0, timeout=10) == step + 1
+    worker.close()
+    r, params = target.redis(), SyncKeys("", "lostpub").params
+    r.hset(params, "step", step)  # the failover: the hash as it was before that publish
+    done: list[int] = []
+    chief = threading.Thread(target=lambda: done.append(ps.step(1.0, timeout=20)))
+    with caplog.at_level("WARNING", logger="accumulator.sync"):
+        chief.start()
+        worker = Worker("lostpub", client=target.client(), worker_id="w0")  # (restarted)
+        assert worker.pull(timeout=10)[0] == step  # what the job says after the failover
+        assert worker.push(step, {"w": np.ones(3)}) == {"w": False}  # stale: step + 1 there
+        seen, got = worker.pull(after=step, timeout=15)  # waited for ever before
+        assert seen == step + 1
+        np.testing.assert_array_equal(got["w"], np.full(3, -1.0))
+        worker.push(seen, {"w": np.ones(3)})
+        chief.join(20)
+    assert done == [step + 2]
+    assert "publishing it again" in caplog.text
+    worker.close()
+    ps.close()
+
+
 @pytest.mark.parametrize(
     "how", ["kill", pytest.param("shutdown", marks=pytest.mark.slow)]
 )

@@ -11,7 +11,7 @@ import socket
 import time
 import uuid
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, cast
 
 import numpy as np
@@ -51,6 +51,18 @@ logger = logging.getLogger("accumulator.sync")
 #: may be in the middle of them; the next publish deletes them sooner); after that it reads
 #: the newer version.
 _OLD_VERSION_MS = 60 * 1000
+
+
+def _weak_call(method: Callable[[], bool]) -> Callable[[], bool]:
+    """``method`` (a bound method) without a strong reference to its object: the lease
+    thread that calls it must not keep a chief alive (its finalizer releases the lease)."""
+    ref = weakref.WeakMethod(method)
+
+    def call() -> bool:
+        bound = ref()
+        return bool(bound()) if bound is not None else False
+
+    return call
 
 
 class ParameterServer(_Job):
@@ -133,6 +145,10 @@ class ParameterServer(_Job):
         #: after an update whose publish failed: whether it was to be the final step (the
         #: next :meth:`step` publishes it); None otherwise
         self._unpublished: bool | None = None
+        #: while :meth:`step` waits for gradients (the lease thread then compares the
+        #: published step with this chief's: :meth:`_published_behind`)
+        self._waiting = False
+        self._lease.behind = _weak_call(self._published_behind)
 
     @property
     def global_step(self) -> int:
@@ -535,12 +551,17 @@ class ParameterServer(_Job):
         while True:
             todo = [unit for unit in self._units if unit.name not in self._taken]
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            # the takes stop (giving back what they claimed) while the lease may have run out
-            outcomes = run_together([
-                (acc, acc._take_grad_ops(self.replicas_to_aggregate, left, None,
-                                   cancel=self._lease.guard))
-                for acc in (self._accs[unit.name] for unit in todo)
-            ], taken)  # fmt: skip
+            # the takes stop (giving back what they claimed) while the lease may have run out,
+            # or once the published step is found behind this chief's
+            self._waiting = True
+            try:
+                outcomes = run_together([
+                    (acc, acc._take_grad_ops(self.replicas_to_aggregate, left, None,
+                                       cancel=self._lease.guard))
+                    for acc in (self._accs[unit.name] for unit in todo)
+                ], taken)  # fmt: skip
+            finally:
+                self._waiting = False
             failures = [(unit, value) for unit, (ok, value) in zip(todo, outcomes, strict=True)
                         if not ok]  # fmt: skip
             # (the guard may read clear again by now: the lease thread renewed meanwhile)
@@ -548,6 +569,9 @@ class ParameterServer(_Job):
                 acc._closed for acc in self._accs.values()  # closed: that CancelledError stands
             ):
                 break
+            if self._lease.republish and not self._lease.may_have_run_out():
+                self._publish_again()
+                continue
             # Not renewed for most of its length (this process was paused, or starved): the
             # lease is renewed now, or ChiefConflictError says another chief has the job (the
             # rounds given back are its). Renewed, the takes start again.
@@ -576,6 +600,27 @@ class ParameterServer(_Job):
         self._taken = {}
         self._step += 1
         return self._finish_step(final)
+
+    def _published_behind(self) -> bool:
+        """Whether the job's published step is behind this chief's while it waits for
+        gradients: Redis lost its last publish (a failover to a replica that had not got it;
+        the accumulators, in other slots, may have kept their steps). No worker would ever
+        push for this chief's step: it must publish again (:meth:`_publish_again`)."""
+        if not self._waiting or self._step is None:
+            return False
+        run, step = (reply_text(v) for v in self.redis.hmget(self.keys.params, ["run", "step"]))
+        return self._waiting and run == self._run and step.isdigit() and int(step) < self._step
+
+    def _publish_again(self) -> None:
+        """Publish this chief's parameters at its step once more (see
+        :meth:`_published_behind`); the takes then start again."""
+        logger.warning(
+            "sync job %r: the published step is behind this chief's step %d (Redis lost the "
+            "last publish: a failover to a replica behind?); publishing it again",
+            self.job, self._step,
+        )  # fmt: skip
+        self._lease.republish = False
+        self._publish()
 
     def _catch_up(self) -> None:
         """Accumulators whose rounds came from an earlier step than this chief's: Redis went

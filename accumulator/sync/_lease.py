@@ -9,7 +9,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import redis
@@ -82,6 +82,12 @@ class _ChiefLease:
         self.tenure = ""
         #: Set (to the reason) when another chief took the lease over: this chief must stop.
         self.lost: str | None = None
+        #: Asked after each renewal in the background: whether the job's published step is
+        #: behind the chief's (Redis lost its last publish: a failover to a replica behind).
+        #: Then :attr:`republish` is set, and with it the guard: the chief's takes give their
+        #: rounds back, and the chief publishes again (no worker pushes for its step before).
+        self.behind: Callable[[], bool] | None = None
+        self.republish = False
         #: monotonic time a renewal that succeeded was sent (the lease holds a lease from then)
         self._renewed = 0.0
         #: The ``cancel`` of this chief's takes (:class:`_LeaseGuard`).
@@ -218,6 +224,12 @@ class _ChiefLease:
                 logger.error("sync job %r: %s", self.job, self.lost)
                 return
             self._renewed = max(self._renewed, sent)
+            behind = self.behind
+            try:
+                if behind is not None and behind():
+                    self.republish = True
+            except Exception as exc:  # noqa: BLE001 - Redis away: the next beat looks again
+                logger.debug("sync job %r: reading the published step failed: %s", self.job, exc)
 
     def since_renewed(self) -> float:
         """Seconds since the last renewal that succeeded was sent."""
@@ -253,5 +265,6 @@ class _LeaseGuard:
         self._lease = lease
 
     def is_set(self) -> bool:
-        """Whether the takes must stop (:meth:`_ChiefLease.may_have_run_out`)."""
-        return self._lease.may_have_run_out()
+        """Whether the takes must stop (:meth:`_ChiefLease.may_have_run_out`, or the job's
+        published step is behind the chief's: :attr:`_ChiefLease.republish`)."""
+        return self._lease.may_have_run_out() or self._lease.republish
