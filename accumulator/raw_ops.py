@@ -203,7 +203,7 @@ def _take_dense(
 ) -> np.ndarray:
     acc = _handle(handle, _Dense)
     _check_dtype(acc, dtype, signature)
-    return acc.take_grad(scalar_int(num_required, "num_required"), timeout=timeout)
+    return acc.take_grad(scalar_int(num_required, "num_required", bits=32), timeout=timeout)
 
 
 def SparseAccumulatorTakeGradient(  # noqa: N802
@@ -218,4 +218,4 @@ def SparseAccumulatorTakeGradient(  # noqa: N802
     (``(indices, values, shape)``), after checking ``dtype`` against the accumulator's."""
     acc = _handle(handle, _Sparse)
     _check_dtype(acc, dtype, "string_ref, int32->int64, {}, int64")
-    return acc.take_grad(scalar_int(num_required, "num_required"), timeout=timeout)
+    return acc.take_grad(scalar_int(num_required, "num_required", bits=32), timeout=timeout)

@@ -351,8 +351,13 @@ class RedisServer:
 
     @property
     def url(self) -> str:
-        """``redis://127.0.0.1:<port>/0``, with the password of ``--requirepass`` when the
-        server was given one (``redis://:PASSWORD@127.0.0.1:<port>/0``)."""
+        """``redis://127.0.0.1:<port>/0``, without a password (safe to print or log): for a
+        server given ``--requirepass``, :meth:`url_with_password`, or :meth:`client`."""
+        return f"redis://{_HOST}:{self.port}/0"
+
+    def url_with_password(self) -> str:
+        """:attr:`url` with the password of ``--requirepass`` in it, when there is one
+        (``redis://:PASSWORD@127.0.0.1:<port>/0``): what ``client=`` of an accumulator takes."""
         password = self.password
         login = "" if password is None else ":" + quote(password, safe="") + "@"
         return f"redis://{login}{_HOST}:{self.port}/0"

@@ -66,7 +66,7 @@ def test_help_and_bad_arguments(capsys):
     # refused before anything starts (they ended in tracebacks, or after the training, or
     # with a misleading message: new-user review)
     for args, said in ((["--url", "foo"], "--url foo: it must start with"),
-                       (["--url", "redis://h:notaport/0"], "--url redis://h:notaport/0: Port"),
+                       (["--url", "redis://h:notaport/0"], "notaport/0: its port must be"),
                        (["--timeout", "0"], "--timeout must be > 0"),
                        (["--json-summary", "/nonexistent/x.json"], "cannot write into")):
         with pytest.raises(SystemExit) as info:

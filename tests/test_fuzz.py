@@ -300,7 +300,8 @@ BAD_NUM_REQUIRED = [
     (0, r"^Argument num_required must be positive, but was 0$"),
     (-1, r"^Argument num_required must be positive, but was -1$"),
     (np.int64(0), r"^Argument num_required must be positive, but was 0$"),
-    (-(2**63), "must be positive"),
+    (-(2**31), "must be positive"),
+    (-(2**63), "num_required must fit in int32"),  # (TF's type)
     (True, "num_required"),
     (np.True_, "num_required"),
     (1.0, "num_required"),
@@ -310,8 +311,8 @@ BAD_NUM_REQUIRED = [
     (None, "num_required"),
     ([1], "num_required"),
     (np.array([1]), "num_required"),
-    (2**63, "int64"),
-    (-(2**63) - 1, "int64"),
+    (2**63, "num_required must fit in int32"),
+    (-(2**63) - 1, "num_required must fit in int32"),
 ]
 
 BAD_TIMEOUTS = [
