@@ -26,7 +26,7 @@ from redis.exceptions import (
     AskError,
     AuthenticationError,
     AuthorizationError,
-    ClusterDownError,
+    ClusterError,
     NoPermissionError,
     RedisClusterException,
     ResponseError,
@@ -56,9 +56,11 @@ _MAX_DELAY = 1.0
 WARN_AFTER = 2.0
 
 #: Transport faults, and a cluster between states (a failover in progress, a slot without a
-#: primary for now): worth retrying. Wrong credentials are not (they are ConnectionErrors in
-#: redis-py, but waiting does not fix them).
-TRANSIENT = (redis.ConnectionError, redis.TimeoutError, ClusterDownError, TryAgainError,
+#: primary for now, a slot half-way through a migration: redis-py's cluster client gives up
+#: TRYAGAIN replies after a few tries as ``ClusterError: TTL exhausted``): worth retrying.
+#: Wrong credentials are not (they are ConnectionErrors in redis-py, but waiting does not fix
+#: them).
+TRANSIENT = (redis.ConnectionError, redis.TimeoutError, ClusterError, TryAgainError,
              SlotNotCoveredError)  # fmt: skip
 _PERMANENT = (AuthenticationError, AuthorizationError)
 #: What the retry loops catch: the transient faults, and redis-py's RedisClusterException

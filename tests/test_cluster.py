@@ -438,3 +438,44 @@ def test_a_clusters_socket_timeout_is_kept_and_its_waits_get_a_slice_more(form, 
     # a slice and a socket timeout of the wait, the retry window, one try to withdraw: ~5 s
     # (no hang; generous for a loaded machine, 7.8 s seen: the timeouts above are the fix)
     assert took < 15, took
+
+
+def test_a_slot_half_way_through_a_migration_is_waited_out():
+    """A slot some of whose keys were migrated and some not yet (what every reshard goes
+    through for as long as moving the keys takes): the node answers a script with keys on
+    both sides TRYAGAIN, which redis-py's cluster client gives up as ``ClusterError: TTL
+    exhausted`` after ~0.2 s; an apply and a take raised that (a review's drill). They are
+    retried within the window now, and go through once the migration is done."""
+    from accumulator._testing_cluster import _myid
+
+    if find_server_binary() is None:
+        pytest.skip("no redis-server binary (scripts/test.sh installs one)")
+    with LocalCluster(primaries=3, replicas_each=0) as nodes:
+        acc = accumulator.ConditionalAccumulator(np.float32, (4,), shared_name="mig",
+                                                 client=nodes.cluster_url)  # fmt: skip
+        acc.apply_grad(np.ones(4))
+        slot = nodes.client().keyslot(acc._keys.state)
+        source = nodes.owner(slot)
+        target = next(s for s in nodes._primaries() if s is not source)
+        with source.client() as src, target.client() as dst:
+            dst.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", _myid(src))
+            src.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", _myid(dst))
+            src.execute_command("MIGRATE", "127.0.0.1", target.port, "", 0, 10_000, "KEYS",
+                                acc._keys.state)  # (the state moved, the round not yet)
+
+            def finish() -> None:
+                while keys := src.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 100):
+                    src.execute_command("MIGRATE", "127.0.0.1", target.port, "", 0, 10_000,
+                                        "KEYS", *keys)  # fmt: skip
+                for server in nodes._primaries():
+                    with server.client() as each:
+                        each.execute_command("CLUSTER", "SETSLOT", slot, "NODE", _myid(dst))
+
+            timer = threading.Timer(2.0, finish)
+            timer.start()
+            try:
+                assert acc.apply_grad(np.full(4, 3.0)) is True
+            finally:
+                timer.join()
+        np.testing.assert_array_equal(acc.take_grad(2, timeout=20), np.full(4, 2.0))
+        acc.close()
