@@ -116,11 +116,16 @@ def is_unreachable(exc: BaseException) -> bool:
 
 
 def breaks_wait(exc: BaseException) -> bool:
-    """Whether a blocking wait that raised ``exc`` met a fault of its connection (the taker
-    re-checks: the take script rides it out) rather than an error to raise. Our errors never
-    are one: PermissionDeniedError is an OSError, as Python's PermissionError."""
+    """Whether a blocking wait that raised ``exc`` met a fault of its connection, or was
+    ended by the server (an ``UNBLOCKED`` reply), so that the taker re-checks (the take
+    script rides it out) rather than an error to raise. Our errors never are one:
+    PermissionDeniedError is an OSError, as Python's PermissionError."""
     if isinstance(exc, AccumulatorError):
         return False
+    if isinstance(exc, ResponseError) and str(exc).startswith("UNBLOCKED"):
+        # ended by the server: its role changed (a failover demoted it; on a cluster, the
+        # slot is served elsewhere now), or CLIENT UNBLOCK ... ERROR: re-check
+        return True
     return is_transient(exc) or isinstance(exc, OSError)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -141,3 +142,49 @@ def test_a_take_whose_withdraw_failed_is_withdrawn_by_the_objects_next_take(targ
     np.testing.assert_array_equal(acc.take_grad(1, timeout=20), np.ones(2))
     assert time.monotonic() - t0 < 10  # not the earlier take's 60 s lease
     assert acc._unwithdrawn == []
+
+
+@pytest.mark.parametrize("twin", ["sync", "asyncio"])
+def test_a_wait_the_server_ends_is_waited_again(real, twin):
+    """A failover ends the waits of a demoted primary with an ``UNBLOCKED`` error reply (so
+    does ``CLIENT UNBLOCK ... ERROR``): a waiting take raised redis-py's ResponseError (a
+    review's cluster drill). It waits again: the gradient applied next is its round."""
+    import asyncio
+
+    from _helpers import aclient
+
+    from accumulator import aio
+
+    r = real.redis()
+    nodes = [r.get_redis_connection(n) for n in r.get_primaries()] if real.kind == "cluster" \
+        else [r]  # fmt: skip
+
+    def unblock_the_wait() -> bool:
+        for node in nodes:
+            for client in node.client_list():
+                if client["cmd"] == "blpop":
+                    node.client_unblock(client["id"], error=True)
+                    return True
+        return False
+
+    def unblock_then_apply() -> None:
+        deadline = time.monotonic() + 10
+        while not unblock_the_wait():
+            assert time.monotonic() < deadline, "no take waited"
+            time.sleep(0.05)
+        time.sleep(0.3)
+        make(real).apply_grad(np.ones(SMALL))
+
+    helper = threading.Thread(target=unblock_then_apply)
+    helper.start()
+    if twin == "sync":
+        got = make(real).take_grad(1, timeout=20)
+    else:
+        async def main() -> Any:
+            async with aio.ConditionalAccumulator(np.float32, SMALL, shared_name="t",
+                                                  client=aclient(real)) as acc:  # fmt: skip
+                return await acc.take_grad(1, timeout=20)
+
+        got = asyncio.run(main())
+    helper.join()
+    np.testing.assert_array_equal(got, np.ones(SMALL))
