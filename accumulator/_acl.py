@@ -22,7 +22,7 @@ _WORKER = (
     "+evalsha +eval +script|load +time "
     "+get +set +mget +del +unlink +exists +strlen +pexpire +persist +rename "
     "+hget +hmget +hgetall +hset +hsetnx +hdel +hincrby "
-    "+rpush +lpush +lpop +lrange +lindex +lset +lrem +ltrim +blpop "
+    "+rpush +lpush +lpop +lrange +lpos +lindex +lset +lrem +ltrim +blpop "
     "+zadd +zrem +zremrangebyscore +zrange +zrangebyscore +zscore +zcard "
     "+publish +subscribe +unsubscribe"
 )

@@ -70,6 +70,10 @@ def cluster_timeouts(source: Any) -> tuple[Any, float, float]:
     else:  # (the asyncio cluster client keeps its nodes' settings itself)
         given = getattr(source, "nodes_manager", source).connection_kwargs
         seconds = given.get("socket_timeout")
+        # redis-py's asyncio cluster client sets 5 s when given none: that is not the user's
+        default = inspect.signature(type(source).__init__).parameters.get("socket_timeout")
+        if default is not None and seconds == default.default:
+            seconds = None
     timeout = seconds or SOCKET_TIMEOUT
     return source, timeout, blocking_timeout(timeout, CLUSTER_WAIT_SLICE)
 

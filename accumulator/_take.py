@@ -105,8 +105,11 @@ def take(
         )
     n, seconds = check_take_args(num_required, timeout)
     k = acc._keys
-    for earlier in acc._unwithdrawn[:]:  # (this object's takes whose withdraw failed)
-        acc._unwithdrawn.remove(earlier)
+    while acc._unwithdrawn:  # (this object's takes whose withdraw failed)
+        try:
+            earlier = acc._unwithdrawn.pop()  # (atomic: another take may withdraw it first)
+        except IndexError:
+            break
         yield from _leave(acc, earlier, k.claim(earlier), once=True)
     taker = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
     claim_key = k.claim(taker)

@@ -335,28 +335,38 @@ local function count_in_sum(grads, sum)
     string.match(sum, '^s%d+ (.+)$'))
 end
 
--- Whether a round holds the payload of blob key `blob`: the pending round (list `grads`:
--- an entry of it, or the running sum that it opened) or a round a taker claimed and is reading
--- (a claim list of the claim registry `claims`). A late copy of an apply (see apply.lua) must
--- not drop the payload the apply it copies was accepted with.
--- (true too when it cannot tell: a read refused by the ACL or by a foreign value's type)
-local function round_holds(base, grads, claims, blob)
+-- Whether list `list` (a round, or a claim) has an entry naming payload `blob`: `entry`
+-- itself (LPOS, scanned in C: a round of inline payloads is not read into Lua), else, read,
+-- one of another form ('s'/'f' entries of the module's running sum, 'k' ones of old clients).
+-- nil when it cannot tell (refused by the ACL, a value of another type).
+local function list_names(list, entry, blob)
+  local at = redis.pcall('LPOS', list, entry)
+  if type(at) == 'number' then return true end
+  local entries = redis.pcall('LRANGE', list, 0, -1)
+  if entries.err then return nil end
+  for _, e in ipairs(entries) do
+    if string.sub(e, 1, 1) ~= 'i' and (e == 'k' .. blob or string.sub(e, -#blob - 1) == ' ' .. blob) then
+      return true
+    end
+  end
+  return false
+end
+
+-- Whether a round holds payload `blob` (round entry `entry`): the pending round (list `grads`)
+-- or a round a taker claimed and is reading (a claim list of the claim registry `claims`).
+-- A late copy of an apply (apply.lua) must not drop the payload the apply it copies was
+-- accepted with, nor a withdraw one whose retry record expired. True too when it cannot tell.
+local function round_holds(base, grads, claims, entry, blob)
   local lists = {grads}
-  local takers = redis.pcall('HKEYS', claims)
-  if takers.err then return true end
-  for _, taker in ipairs(takers) do
-    local claim = base .. ':c:' .. taker
+  local registry = redis.pcall('HGETALL', claims)
+  if registry.err then return true end
+  for i = 1, #registry, 2 do
+    local claim = base .. ':c:' .. registry[i]
     if is_own(base, claim, 'c') then lists[#lists + 1] = claim end
   end
   for _, list in ipairs(lists) do
-    local entries = redis.pcall('LRANGE', list, 0, -1)
-    if entries.err then return true end
-    for _, entry in ipairs(entries) do
-      if string.sub(entry, 1, 1) ~= 'i'
-          and (entry == 'k' .. blob or string.sub(entry, -#blob - 1) == ' ' .. blob) then
-        return true
-      end
-    end
+    local named = list_names(list, entry, blob)
+    if named ~= false then return true end
   end
   return false
 end

@@ -73,9 +73,10 @@ local function refuse_dropping(refusal)
   local allowed = redis.acl_check_cmd or function() return true end
   if inline or not allowed('GET', dedup) then return refusal end
   local prev = redis.pcall('GET', dedup)
-  if type(prev) == 'table' or (prev and string.match(prev, '^(%d+)') == seq) then
-    return refusal
-  end
+  if type(prev) == 'table' then return refusal end
+  -- (nor the payload of a late copy of an older apply: the apply it copies may be counted)
+  local pseq = prev and string.match(prev, '^(%d+)')
+  if pseq and is_count(pseq) and int_cmp(seq, pseq) <= 0 then return refusal end
   if spread then
     -- (registered, in a zset: then neither write below can fail)
     local mark = redis.pcall('ZSCORE', orphans, entry)
@@ -134,7 +135,7 @@ if prev then
   if is_count(pseq) and int_cmp(seq, pseq) < 0 then
     -- its payload keys are the copied apply's: held by a round if that apply was accepted
     -- (the copy's SET NX wrote nothing then; a spread copy registered its entry again)
-    if inline or not round_holds(base, grads, base .. ':cl', blob) then
+    if inline or not round_holds(base, grads, base .. ':cl', entry, blob) then
       drop_payload()
     elseif spread then
       redis.call('ZREM', orphans, entry)

@@ -37,18 +37,22 @@ if not mark then
   return redis.call('ZSCORE', done, me) and 1 or 0
 end
 if string.find(mark, '^done ') then return 1 end  -- written by clients before the zset
--- the payload keys it unlinks are those its claim's entries name (looked at only then: a
--- round of inline payloads names none, and is not read into Lua)
-local entries = (#KEYS > 5 or ARGV[2] ~= '0') and redis.call('LRANGE', claim, '1', '-1') or {}
-local keys = {claim}
-if #KEYS > 5 then
-  local named = {}
-  for _, entry in ipairs(entries) do
-    for _, key in ipairs(entry_keys(base, entry) or {}) do named[key] = true end
-  end
-  for i = 6, #KEYS do
-    if not named[KEYS[i]] then return acc_error('BADKEY ' .. i .. ': not a payload of its claim') end
-    keys[#keys + 1] = KEYS[i]
+-- The payload keys it unlinks are those its claim's entries name: each payload's entry is
+-- looked up in the claim (LPOS: a round of inline payloads, a sparse one's, is not read into
+-- Lua for it), its parts counted from the keys given for it.
+local keys, named = {claim}, {}
+for i = 6, #KEYS do
+  local key, blob, whole = KEYS[i], KEYS[i], true
+  if is_own(base, key, 'p') then blob, whole = string.match(key, '^(.*):%d+$'), false end
+  local seen = named[blob] or {n = 0, whole = whole}
+  seen.n = seen.n + 1
+  named[blob] = seen
+  keys[#keys + 1] = key
+end
+for blob, seen in pairs(named) do
+  local entry = seen.whole and 'k' .. blob or 'p' .. seen.n .. ' ' .. blob
+  if list_names(claim, entry, blob) ~= true then
+    return acc_error('BADKEY ' .. blob .. ': not a payload of its claim')
   end
 end
 local now = now_ms()
@@ -58,7 +62,7 @@ redis.call('ZREMRANGEBYSCORE', done, '-inf', '(' .. int_str(now - FINISH_MEMORY_
 redis.call('PEXPIRE', done, FINISH_MEMORY_MS)
 local garbage = {}
 if ARGV[2] ~= '0' then
-  garbage = discard_spread(base, KEYS[5], entries, now + SWEEP_LEASE_MS)
+  garbage = discard_spread(base, KEYS[5], redis.call('LRANGE', claim, '1', '-1'), now + SWEEP_LEASE_MS)
 end
 unlink_all(keys)
 if #garbage > 0 then return {1, garbage} end

@@ -21,12 +21,26 @@ if not (is_count(ARGV[3]) and is_count(ARGV[4]) and tonumber(ARGV[4]) <= 1000
 end
 local err = read_state(KEYS[1], ARGV[1], {}, ARGV[6])
 if err then return err end
-err = check_acl({'ZADD', orphans, 'ZREM', orphans, 'ZRANGEBYSCORE', orphans})
+err = check_acl({'ZADD', orphans, 'ZREM', orphans, 'ZRANGEBYSCORE', orphans,
+  'GET', base .. ':d:0', 'LRANGE', base .. ':g', 'HGETALL', base .. ':cl'})
 if err then return err end
 err = check_types({orphans, 'zset'})
 if err then return err end
+-- A late copy of a registration (its reply was lost, and the client went on: its apply, or a
+-- later one, has run since, as the client's retry record says) registers the payload only if
+-- no round holds it: a sweeper would delete the parts of a counted gradient.
+local register = entry ~= ''
+if register then
+  local cid, seq = string.match(entry, ':b:(%x+):(%d+)$')
+  local prev = redis.pcall('GET', base .. ':d:' .. cid)
+  local pseq = type(prev) == 'string' and string.match(prev, '^(%d+)') or nil
+  if pseq and is_count(pseq) and int_cmp(seq, pseq) <= 0 then
+    register = not round_holds(base, base .. ':g', base .. ':cl', entry,
+      string.match(entry, ' (.+)$'))
+  end
+end
 local now = now_ms()
-if entry ~= '' then
+if register then
   redis.call('ZADD', orphans, 'NX', int_str(now + tonumber(ARGV[3])), entry)
 end
 local out = {}

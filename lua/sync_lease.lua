@@ -35,7 +35,8 @@ local base = type(KEYS[1]) == 'string' and string.match(KEYS[1], '^([^{}]+:{[^{}
 if not (base and (mode == 'acquire' or mode == 'renew' or mode == 'release' or publish)
     and (publish or (#KEYS == 1 and (#ARGV == 6 or #ARGV == 7)))
     and (ARGV[2] or '') ~= '' and is_count(ARGV[3]) and ARGV[4]
-    and is_count(ARGV[5]) and is_count(ARGV[6])) then
+    and is_count(ARGV[5]) and is_count(ARGV[6])
+    and tonumber(ARGV[3]) + tonumber(ARGV[6]) < 2^50) then  -- (exact: expiries stay integers)
   return acc_error('BADARG sync_lease')
 end
 if publish then
@@ -111,7 +112,7 @@ if not mine then
 end
 redis.call('HSET', KEYS[1], 'renewed_ms', int_str(now),
            'expires_ms', int_str(now + tonumber(ARGV[3])))
-redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[3]) + tonumber(ARGV[6]))
+redis.call('PEXPIRE', KEYS[1], int_str(tonumber(ARGV[3]) + tonumber(ARGV[6])))
 if publish then
   local fields = {}
   for i = 12, #ARGV do fields[#fields + 1] = ARGV[i] end

@@ -13,7 +13,8 @@
 -- was not (the record holds its seq as dropped: stale, or fenced before), -3 the record holds
 -- a later apply of this client (its outcome is no longer known here; nothing is written).
 -- Touches only the payload's own part keys and this client's retry record; every input and
--- permission is checked first.
+-- permission is checked first. (Reads the pending round and the claims when the record is
+-- gone: see round_holds.)
 local dedup, blob, seq = KEYS[2], KEYS[3], ARGV[1]
 local base, kerr = own_keys({'', ''})
 if not base then return kerr end
@@ -27,14 +28,19 @@ if not (is_count(seq) and is_count(ARGV[2]) and (fence == '' or (is_count(fence)
 end
 local parts = n_parts(tonumber(ARGV[2]))
 if parts < 1 or parts > MAX_PARTS then return acc_error('BADARG withdraw parts') end
-local err = check_acl(fence == '' and {'GET', dedup, 'UNLINK', blob}
-  or {'GET', dedup, 'UNLINK', blob, 'EXISTS', KEYS[1], 'SET', dedup})
+local grads, claims = base .. ':g', base .. ':cl'
+local err = check_acl(fence == '' and {'GET', dedup, 'UNLINK', blob, 'LRANGE', grads, 'HGETALL', claims}
+  or {'GET', dedup, 'UNLINK', blob, 'LRANGE', grads, 'HGETALL', claims, 'EXISTS', KEYS[1], 'SET', dedup})
 if err then return err end
 local prev = redis.pcall('GET', dedup)
 if type(prev) == 'table' then return refused('GET', dedup, prev.err) end
 local pseq, pres = string.match(prev or '', '^(%d+) ?(%-?%d*)$')
 if pseq == seq then return pres == '' and -1 or -2 end
 if is_count(pseq) and int_cmp(pseq, seq) > 0 then return -3 end
+-- No record at all (it expired: an outage longer than its ttl): a round that holds the
+-- payload says the apply was counted (its parts must stay; nothing is written).
+local entry = 'p' .. int_str(parts) .. ' ' .. blob
+if not prev and round_holds(base, grads, claims, entry, blob) then return -1 end
 -- (the deletes first: at maxmemory Redis refuses the SET below, never an UNLINK)
 local deleted = unlink_all(entry_keys(base, 'p' .. int_str(parts) .. ' ' .. blob))
 -- (an accumulator deleted since: a late copy is refused as NOTFOUND, nothing to fence)

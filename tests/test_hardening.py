@@ -970,6 +970,24 @@ def test_the_withdraw_refuses_garbage_before_any_write(target, case):
     assert r.get("prod:secret") == b"s"
 
 
+def test_a_withdraw_whose_retry_record_expired_keeps_a_payload_the_round_holds(target):
+    """The settle of an apply of unknown outcome after an outage longer than the retry
+    record's ttl: no record, so the withdraw took the apply for never run, deleted its parts
+    (which the round held: the apply was counted) and fenced it as not counted (a review)."""
+    acc = make(target, shape=LARGE)
+    acc.apply_grad(np.ones(LARGE))
+    acc.apply_grad(np.full(LARGE, 3.0))
+    k, r = acc._keys, target.redis()
+    cid = acc._identities.client_ids[0]
+    r.delete(k.dedup(cid))  # (its ttl ran out)
+    before = snapshot(r)
+    counted = _scripts.call(r, "withdraw", [k.state, k.dedup(cid), k.blob(cid, 1)],
+                            ["1", 4 * 64 * 1024, 60_000])  # fmt: skip
+    assert int(counted) == -1  # counted: the round holds it
+    assert snapshot(r) == before
+    np.testing.assert_array_equal(acc.take_grad(2, timeout=5), np.full(LARGE, 2.0))
+
+
 @pytest.mark.parametrize("case", ["state key", "step", "schema"])
 def test_the_seal_refuses_garbage_before_any_write(target, case):
     """``lua/seal.lua`` (a finished sync job's accumulators) checks its key and input."""
@@ -1059,7 +1077,8 @@ def test_the_push_count_refuses_a_foreign_counter_before_any_write(target, field
 
 
 @pytest.mark.parametrize(
-    "case", ["state key", "lease inf", "lease -5", "lease hex", "no keep", "no id", "mode"],
+    "case", ["state key", "lease inf", "lease -5", "lease hex", "lease 10**18", "no keep",
+             "no id", "mode"],
 )  # fmt: skip
 def test_the_chief_lease_refuses_garbage_before_any_write(target, case):
     """``lua/sync_lease.lua`` outside a publish: its key must be a job's lease and its
@@ -1079,6 +1098,8 @@ def test_the_chief_lease_refuses_garbage_before_any_write(target, case):
         args[2] = "-5"
     elif case == "lease hex":
         args[2] = "0x10"
+    elif case == "lease 10**18":  # (a count, but no exact Lua number: PEXPIRE failed)
+        args[2] = "9" * 18
     elif case == "no keep":
         del args[5:]
     elif case == "no id":

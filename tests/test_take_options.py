@@ -188,3 +188,25 @@ def test_a_wait_the_server_ends_is_waited_again(real, twin):
         got = asyncio.run(main())
     helper.join()
     np.testing.assert_array_equal(got, np.ones(SMALL))
+
+
+def test_concurrent_takes_withdraw_an_earlier_failed_take_once(target):
+    """Two takes of one object at once (asyncio tasks; threads alike) each went through the
+    takers whose withdraw failed: one raised ValueError (list.remove of one the other took;
+    a review)."""
+    import asyncio
+
+    from _helpers import aclient
+
+    from accumulator import aio
+
+    async def main() -> list[Any]:
+        async with aio.ConditionalAccumulator(np.float32, SMALL, shared_name="t2",
+                                              client=aclient(target)) as acc:  # fmt: skip
+            acc._unwithdrawn.extend(["1-0a", "1-0b"])  # (takers that hold nothing)
+            return await asyncio.gather(acc.take_grad(1, timeout=0.3),
+                                        acc.take_grad(1, timeout=0.3),
+                                        return_exceptions=True)  # fmt: skip
+
+    outcomes = asyncio.run(main())
+    assert all(isinstance(o, accumulator.DeadlineExceededError) for o in outcomes), outcomes

@@ -137,13 +137,15 @@ def test_another_apply_settles_the_unknown_one_first(target, shape, ran, caplog)
     assert not [k for k in r.scan_iter(match=acc._keys.pattern) if b":b:" in k]
 
 
+@pytest.mark.parametrize("refused", [False, True], ids=["judged", "refused"])
 @pytest.mark.parametrize("shape", [SMALL, LARGE], ids=["inline", "part"])
-def test_a_late_copy_of_an_older_apply_is_not_counted(target, shape):
+def test_a_late_copy_of_an_older_apply_is_not_counted(target, shape, refused):
     """An apply ridden through a partition (its retry counted it), then the next apply of the
     object, then the first copy, delayed in the network: Redis kept only the last apply's
     record per client, and counted the copy (review). A large one's copy dropped its payload,
     the parts the accepted apply is held by (the sum of the round, with the module), though:
-    the take lost it (a review's fuzzer)."""
+    the take lost it (a review's fuzzer). So did a copy refused before it was judged (a
+    foreign value under one of its keys: refusals drop the refused apply's payload)."""
     acc = make(target, shape)
     do, copies = acc._do, []
 
@@ -155,6 +157,18 @@ def test_a_late_copy_of_an_older_apply_is_not_counted(target, shape):
     acc._do = sent_twice
     assert acc.apply_grad(np.full(shape, 2.0)) is True
     assert acc.apply_grad(np.full(shape, 4.0)) is True  # the next apply, same client id
+    if refused:
+        if shape == SMALL:
+            pytest.skip("an inline payload has no key to drop")
+        r = target.redis()
+        r.set(acc._keys.taker_info, b"foreign")  # (a value of another type: a refused probe)
+        with pytest.raises((accumulator.AccumulatorError, redis_exceptions.ResponseError),
+                           match="BADTYPE"):  # fmt: skip
+            late = do(copies.pop())
+            raise late[-1] if isinstance(late[-1], Exception) else AssertionError(late)
+        r.delete(acc._keys.taker_info)
+        np.testing.assert_array_equal(acc.take_grad(2, timeout=5), np.full(shape, 3.0))
+        return
     late = do(copies.pop())
     late = late[-1] if isinstance(late, list) and isinstance(late[-1], list) else late
     assert late[0] == 0 and late[3] == 1  # answered as an old retry, not counted
