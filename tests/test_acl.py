@@ -396,3 +396,32 @@ def test_a_taker_refused_blpop_gets_our_error(acl, real):
         chief.take_grad(1, timeout=3)
     acc.apply_grad(np.ones(SHAPE))
     np.testing.assert_array_equal(acc.take_grad(1, timeout=5), np.ones(SHAPE))
+
+
+def test_a_late_copy_under_the_worker_role_drops_what_no_round_holds(acl, real):
+    """A late copy of an older apply whose round was taken since: its SET NX wrote the parts
+    again, and the script drops them when no round holds them. It read the claims with HKEYS,
+    which the worker role lacks: every copy was taken as held, its parts left behind (for an
+    hour; spread parts for good; a review)."""
+    from accumulator._requests import Batch
+
+    acc = accumulator.ConditionalAccumulator(np.float32, (64, 1024), shared_name="lc",
+                                             client=acl("worker"))  # fmt: skip
+    if acc.spreads_parts:
+        pytest.skip("spread over slots: the parts go apart from the apply's batch")
+    do, copies = acc._do, []
+
+    def sent_twice(request):
+        if isinstance(request, Batch) and request.what == "apply_grad" and not copies:
+            copies.append(request)
+        return do(request)
+
+    acc._do = sent_twice
+    acc.apply_grad(np.ones((64, 1024)))
+    acc.take_grad(1, timeout=5)  # (its round is taken: nothing holds those parts)
+    acc.apply_grad(np.ones((64, 1024)), local_step=1)  # a later apply of the client
+    late = do(copies.pop())[-1]
+    assert late[0] == 0 and late[3] == 1  # an old retry, not counted
+    blob = acc._keys.blob(acc._identities.client_ids[0], 1)
+    assert real.redis().exists(acc._keys.part(blob, 0)) == 0  # dropped, not left an hour
+    acc.close()
