@@ -237,6 +237,7 @@ class AccumulatorBase(AccumulatorModel):
             load = Batch(request.what, _scripts.load_commands(), raise_on_error=False)
             _scripts.check_loaded(self._batch(load))
             replies = send()
+        _retry.raise_transient(replies)
         return replies
 
     def _io(self, what: str, fn: Callable[[], _T], window: float | None = None) -> _T:

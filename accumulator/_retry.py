@@ -19,7 +19,7 @@ import random
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import redis
 from redis.exceptions import (
@@ -113,6 +113,17 @@ def is_unreachable(exc: BaseException) -> bool:
     """Redis could not be reached: a transient fault, or the :class:`UnavailableError` a
     retry window raised after them (not an answer of the server's)."""
     return isinstance(exc, UnavailableError) or is_transient(exc)
+
+
+def raise_transient(replies: list[Any]) -> None:
+    """Raise the first transient fault among a batch's replies (redis-py's cluster pipeline
+    returns a node's connection error, or CLUSTERDOWN, as the reply of each of its commands):
+    the batch fails whole, as on a single server, and the retry window sends it again (every
+    batch of ours may be sent again: SET NX parts, idempotent scripts). Without this, an
+    apply took such a reply for a refusal (a review's cluster drill)."""
+    fault = next((r for r in replies if isinstance(r, Exception) and is_transient(r)), None)
+    if fault is not None:
+        raise fault
 
 
 def breaks_wait(exc: BaseException) -> bool:

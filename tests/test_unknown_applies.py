@@ -560,3 +560,48 @@ def test_applies_after_a_settle_read_no_payload_unless_they_look_like_the_held_o
     assert hashed == [] and acc._identities.holding
     assert acc.apply_grad(np.ones(SMALL), local_step=0) is True  # the held one: answered
     assert hashed == [1]
+
+
+def test_a_batch_whose_replies_carry_a_connection_fault_is_sent_again(target, monkeypatch):
+    """redis-py's cluster pipeline returns a node's connection error (or CLUSTERDOWN) as the
+    reply of each of its commands: an apply took it for a refusal, dropped its parts and
+    raised redis-py's ConnectionError, 4-5 s into a primary's failover (a review's cluster
+    drill). Such a batch fails whole now, as on a single server, and is sent again."""
+    from accumulator import _core
+
+    faults: list[int] = []
+    acc = make(target, LARGE)
+    if target.kind == "cluster":
+        client = acc._conns.commands
+        real_pipeline = client.pipeline
+
+        class Faulty:  # the parts' pipeline, whose node failed over
+            def __init__(self, pipe: Any) -> None:
+                self.pipe, self.n = pipe, 0
+
+            def execute_command(self, *args: Any) -> Any:
+                self.n += 1
+                return self.pipe.execute_command(*args)
+
+            def execute(self, raise_on_error: bool = True) -> Any:
+                if not faults:
+                    faults.append(self.n)
+                    self.pipe.reset()
+                    return [redis_exceptions.ConnectionError("simulated")] * self.n
+                return self.pipe.execute(raise_on_error=raise_on_error)
+
+        monkeypatch.setattr(client, "pipeline", lambda *a, **kw: Faulty(real_pipeline(*a, **kw)))
+    else:
+        real_batch = _core.execute_batch
+
+        def execute_batch(client: Any, commands: Any, raise_on_error: bool) -> Any:
+            if not faults:
+                faults.append(len(commands))
+                return [redis_exceptions.ConnectionError("simulated")] * len(commands)
+            return real_batch(client, commands, raise_on_error)
+
+        monkeypatch.setattr(_core, "execute_batch", execute_batch)
+    assert acc.apply_grad(np.full(LARGE, 2.0)) is True
+    assert faults
+    assert acc.num_accumulated() == 1
+    np.testing.assert_array_equal(acc.take_grad(1, timeout=5), np.full(LARGE, 2.0))

@@ -404,6 +404,7 @@ class AccumulatorBase(AccumulatorModel):
             load = Batch(request.what, _scripts.load_commands(), raise_on_error=False)
             _scripts.check_loaded(await self._batch(commands, load))
             replies = await send()
+        _retry.raise_transient(replies)
         return replies
 
     async def _io(
