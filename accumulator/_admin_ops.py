@@ -24,6 +24,7 @@ from ._errors import (
 )
 from ._keys import DEFAULT_PREFIX, SCHEMA_VERSION, SCHEMAS, Keys
 from ._model import SWEEP_LEASE_MS, old_step
+from ._routing import slot_moving
 
 logger = logging.getLogger("accumulator")
 
@@ -309,6 +310,8 @@ def _drop_claim(
             queue(pipe, blobs, spread)
             pipe.execute()
         return entries, spread
+    except redis.exceptions.AskError as exc:  # (a cluster's transaction, its slot moving)
+        raise slot_moving(r, exc) from exc
     except redis.WatchError:
         raise NotFoundError(
             f"the round claimed by {taker_id!r} changed while it was being dropped (the taker "

@@ -17,13 +17,14 @@ import redis
 from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
 from redis.cluster import RedisCluster
 from redis.connection import AbstractConnection, PythonRespSerializer
-from redis.exceptions import NoPermissionError, OutOfMemoryError, RedisClusterException
+from redis.exceptions import AskError, NoPermissionError, OutOfMemoryError, RedisClusterException
 from redis.retry import Retry
 from redis.sentinel import SentinelConnectionPool
 
 from . import _retry as retrying
 from ._errors import FailedPreconditionError, PermissionDeniedError
 from ._retry import RETRY_WINDOW
+from ._routing import slot_moving
 from ._urls import (
     CONNECT_TIMEOUT,
     LOGIN_REFUSED,
@@ -459,6 +460,8 @@ def atomically(r: Any, queue: Callable[[Any], None], raise_on_error: bool = True
         return list(pipe.execute(raise_on_error=raise_on_error))
     except OutOfMemoryError:
         logger.debug("at maxmemory: the transaction is sent as a plain pipeline")
+    except AskError as exc:
+        raise slot_moving(r, exc) from exc
     pipe = r.pipeline(transaction=False)
     queue(pipe)
     return list(pipe.execute(raise_on_error=raise_on_error))

@@ -15,6 +15,18 @@ def is_cluster(client: Any) -> bool:
     return isinstance(client, RedisCluster)
 
 
+def slot_moving(client: Any, exc: Exception) -> Exception:
+    """What a transaction (MULTI/EXEC) redirected with ASK raises: on a cluster client, whose
+    transactions redis-py does not follow through a slot's migration, a ``TryAgainError``
+    (retried within the window, until the slot has moved); on a plain client ``exc`` itself
+    (a node of a cluster reached by a plain URL: the retry layer says so)."""
+    if not is_cluster(client):
+        return exc
+    again = redis.exceptions.TryAgainError(f"the slot is being migrated ({exc})")
+    again.__cause__ = exc
+    return again
+
+
 def is_redirect(reply: Exception) -> bool:
     """Whether an error reply means "not here, not now" on a cluster: MOVED, ASK, TRYAGAIN,
     CLUSTERDOWN (redis-py parses some into their own classes; the text covers the rest)."""

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any, cast
 
 import numpy as np
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import AskError, NoScriptError, ResponseError
 
 from .. import _admin, _chunks, _fusion, _retry, _scripts
 from .._codec import reply_text, scalar_int
@@ -28,7 +28,7 @@ from .._errors import (
 )
 from .._keys import Keys, is_done_mark
 from .._requests import Call
-from .._routing import is_cluster
+from .._routing import is_cluster, slot_moving
 from .._stream import write_parts
 from .._together import call_step, run_together
 from ._job import TrainingFinished, _Job, accumulator_name
@@ -457,6 +457,8 @@ class ParameterServer(_Job):
             pipe.execute_command(*script)
             try:
                 return list(pipe.execute()[-1])
+            except AskError as exc:  # (a cluster's transaction, its slot being migrated)
+                raise slot_moving(self.redis, exc) from exc
             except ResponseError as exc:  # NOSCRIPT comes through as it is
                 _scripts.raise_translated(exc)
 
