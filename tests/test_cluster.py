@@ -5,6 +5,7 @@ through a ``redis.cluster.RedisCluster`` client and a ``redis+cluster://`` URL."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -13,6 +14,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -440,14 +442,52 @@ def test_a_clusters_socket_timeout_is_kept_and_its_waits_get_a_slice_more(form, 
     assert took < 15, took
 
 
+@contextlib.contextmanager
+def _migrating(nodes: LocalCluster, slot: int, first: list[str] | None) -> Iterator[None]:
+    """``slot`` half-way through a live migration to another primary while the block runs:
+    marked importing and migrating, ``first`` of its keys moved (None: all, the slot not
+    handed over yet). 2 s into the block (a thread: the block's calls wait it out) the rest
+    are moved and every primary learns the new owner."""
+    from accumulator._testing_cluster import _myid
+
+    source = nodes.owner(slot)
+    target = next(s for s in nodes._primaries() if s is not source)
+    with source.client() as src, target.client() as dst:
+        dst.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", _myid(src))
+        src.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", _myid(dst))
+
+        def move(keys: list[Any]) -> None:
+            src.execute_command("MIGRATE", "127.0.0.1", target.port, "", 0, 10_000, "KEYS",
+                                *keys)  # fmt: skip
+
+        def move_all() -> None:
+            while keys := src.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 100):
+                move(keys)
+
+        def finish() -> None:
+            move_all()
+            for server in nodes._primaries():
+                with server.client() as each:
+                    each.execute_command("CLUSTER", "SETSLOT", slot, "NODE", _myid(dst))
+
+        if first is None:
+            move_all()
+        else:
+            move(first)
+        timer = threading.Timer(2.0, finish)
+        timer.start()
+        try:
+            yield
+        finally:
+            timer.join()
+
+
 def test_a_slot_half_way_through_a_migration_is_waited_out():
     """A slot some of whose keys were migrated and some not yet (what every reshard goes
     through for as long as moving the keys takes): the node answers a script with keys on
     both sides TRYAGAIN, which redis-py's cluster client gives up as ``ClusterError: TTL
     exhausted`` after ~0.2 s; an apply and a take raised that (a review's drill). They are
     retried within the window now, and go through once the migration is done."""
-    from accumulator._testing_cluster import _myid
-
     if find_server_binary() is None:
         pytest.skip("no redis-server binary (scripts/test.sh installs one)")
     with LocalCluster(primaries=3, replicas_each=0) as nodes:
@@ -455,28 +495,8 @@ def test_a_slot_half_way_through_a_migration_is_waited_out():
                                                  client=nodes.cluster_url)  # fmt: skip
         acc.apply_grad(np.ones(4))
         slot = nodes.client().keyslot(acc._keys.state)
-        source = nodes.owner(slot)
-        target = next(s for s in nodes._primaries() if s is not source)
-        with source.client() as src, target.client() as dst:
-            dst.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", _myid(src))
-            src.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", _myid(dst))
-            src.execute_command("MIGRATE", "127.0.0.1", target.port, "", 0, 10_000, "KEYS",
-                                acc._keys.state)  # (the state moved, the round not yet)
-
-            def finish() -> None:
-                while keys := src.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 100):
-                    src.execute_command("MIGRATE", "127.0.0.1", target.port, "", 0, 10_000,
-                                        "KEYS", *keys)  # fmt: skip
-                for server in nodes._primaries():
-                    with server.client() as each:
-                        each.execute_command("CLUSTER", "SETSLOT", slot, "NODE", _myid(dst))
-
-            timer = threading.Timer(2.0, finish)
-            timer.start()
-            try:
-                assert acc.apply_grad(np.full(4, 3.0)) is True
-            finally:
-                timer.join()
+        with _migrating(nodes, slot, [acc._keys.state]):  # (the state moved, the round not)
+            assert acc.apply_grad(np.full(4, 3.0)) is True
         np.testing.assert_array_equal(acc.take_grad(2, timeout=20), np.full(4, 2.0))
         acc.close()
 
@@ -487,7 +507,6 @@ def test_a_sync_publish_while_the_jobs_slot_migrates_waits_it_out():
     use a redis+cluster:// URL, which it did (a review's drill). It is retried within the
     window now, and goes through once the slot has moved."""
     from accumulator._keys import SyncKeys
-    from accumulator._testing_cluster import _myid
 
     if find_server_binary() is None:
         pytest.skip("no redis-server binary (scripts/test.sh installs one)")
@@ -497,28 +516,9 @@ def test_a_sync_publish_while_the_jobs_slot_migrates_waits_it_out():
         ps.initialize({"w": np.zeros(3)})
         worker = Worker("mj", client=url, worker_id="w0")
         step, _ = worker.pull(timeout=10)
-        slot = nodes.client().keyslot(SyncKeys("", "mj").params)
-        source = nodes.owner(slot)
-        target = next(s for s in nodes._primaries() if s is not source)
         worker.push(step, {"w": np.ones(3)})
-        with source.client() as src, target.client() as dst:
-            dst.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", _myid(src))
-            src.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", _myid(dst))
-            while keys := src.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 100):
-                src.execute_command("MIGRATE", "127.0.0.1", target.port, "", 0, 10_000,
-                                    "KEYS", *keys)  # fmt: skip
-
-            def hand_over() -> None:
-                for server in nodes._primaries():
-                    with server.client() as each:
-                        each.execute_command("CLUSTER", "SETSLOT", slot, "NODE", _myid(dst))
-
-            timer = threading.Timer(2.0, hand_over)
-            timer.start()
-            try:
-                assert ps.step(1.0, timeout=20) == step + 1  # (its publish: ASK until then)
-            finally:
-                timer.join()
+        with _migrating(nodes, nodes.client().keyslot(SyncKeys("", "mj").params), None):
+            assert ps.step(1.0, timeout=20) == step + 1  # (its publish: ASK until then)
         assert worker.pull(after=step, timeout=10)[0] == step + 1
         worker.close()
         ps.close()
