@@ -335,6 +335,14 @@ local function count_in_sum(grads, sum)
     string.match(sum, '^s%d+ (.+)$'))
 end
 
+-- Whether a client's retry record (`prev`: its dedup key's value, '<seq>' or '<seq> <result>';
+-- false when there is none) is at apply `seq` or later: that apply, or a later one of the
+-- client, has run (a copy of it arriving now is a late one).
+local function record_reached(prev, seq)
+  local pseq = type(prev) == 'string' and string.match(prev, '^(%d+)') or nil
+  return pseq ~= nil and is_count(pseq) and int_cmp(seq, pseq) <= 0
+end
+
 -- Whether list `list` (a round, or a claim) has an entry naming payload `blob`: `entry`
 -- itself (LPOS, scanned in C: a round of inline payloads is not read into Lua), else, read,
 -- one of another form ('s'/'f' entries of the module's running sum, 'k' ones of old clients).

@@ -75,8 +75,7 @@ local function refuse_dropping(refusal)
   local prev = redis.pcall('GET', dedup)
   if type(prev) == 'table' then return refusal end
   -- (nor the payload of a late copy of an older apply: the apply it copies may be counted)
-  local pseq = prev and string.match(prev, '^(%d+)')
-  if pseq and is_count(pseq) and int_cmp(seq, pseq) <= 0 then return refusal end
+  if record_reached(prev, seq) then return refusal end
   if spread then
     -- (registered, in a zset: then neither write below can fail)
     local mark = redis.pcall('ZSCORE', orphans, entry)

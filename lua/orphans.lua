@@ -32,9 +32,7 @@ if err then return err end
 local register = entry ~= ''
 if register then
   local cid, seq = string.match(entry, ':b:(%x+):(%d+)$')
-  local prev = redis.pcall('GET', base .. ':d:' .. cid)
-  local pseq = type(prev) == 'string' and string.match(prev, '^(%d+)') or nil
-  if pseq and is_count(pseq) and int_cmp(seq, pseq) <= 0 then
+  if record_reached(redis.pcall('GET', base .. ':d:' .. cid), seq) then
     register = not round_holds(base, base .. ':g', base .. ':cl', entry,
       string.match(entry, ' (.+)$'))
   end
