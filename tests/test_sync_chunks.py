@@ -213,25 +213,58 @@ def test_parameters_of_one_part_are_published_in_one_round_trip(
     ps.close()
 
 
-def test_a_worker_steps_behind_pulls_the_newest_parameters(target):
-    """The pull reads the version it expects next along with the hash; when the chief is
-    further ahead, it reads the version the hash names instead."""
-    ps = ParameterServer("behind", replicas_to_aggregate=1, client=target.client())
+def _two_steps_behind(target, job):
+    """A job two steps on, and a worker ``slow`` that pulled step 0 and nothing since."""
+    ps = ParameterServer(job, replicas_to_aggregate=1, client=target.client())
     ps.initialize(_small_model())
-    slow = Worker("behind", client=target.client())
-    fast = Worker("behind", client=target.client())
+    slow = Worker(job, client=target.client())
+    fast = Worker(job, client=target.client())
     assert slow.pull(timeout=5)[0] == 0
+    # a listener subscribed as ``slow`` is (on a cluster: at the channel's slot's node)
+    listener = target.redis().pubsub()
+    listener.subscribe(slow.keys.channel)
     for step in range(2):
         fast.pull(timeout=5)
         fast.push(step, {name: np.ones((8, 4), np.float32) for name in _small_model()})
         ps.step(1.0, timeout=5)
+    return ps, slow, fast, listener
+
+
+def _close(*objects):
+    for obj in objects:
+        obj.close()
+
+
+def test_a_worker_steps_behind_pulls_the_newest_parameters(target):
+    """The pull reads the version it expects next along with the hash; when the chief is
+    further ahead, it reads the version the hash names instead (a worker whose pub/sub
+    connection was lost meanwhile: it looks)."""
+    ps, slow, fast, listener = _two_steps_behind(target, "behind")
+    slow._drop_pubsub()  # (its connection lost: the announcements in it with it)
     step, params = slow.pull(after=0, timeout=5)
     assert step == 2
     for name, value in _small_model().items():
         np.testing.assert_array_equal(params[name], value - 2.0)
-    for w in (slow, fast):
-        w.close()
-    ps.close()
+    _close(listener, slow, fast, ps)
+
+
+def test_a_worker_with_announcements_in_hand_returns_the_newest(target, monkeypatch):
+    """A worker subscribed since its last pull reads no hash: of the announcements in hand
+    it returns the newest. (A PUBLISH's reply may reach the chief before the announcement
+    reaches a subscriber's socket: the test waits until a listener has the last one; the
+    server writes it to every subscriber in the same pass.)"""
+    ps, slow, fast, listener = _two_steps_behind(target, "inhand")
+    seen, deadline = 0, time.monotonic() + 5
+    while seen < 2 and time.monotonic() < deadline:
+        message = listener.get_message(timeout=0.5)
+        seen += message is not None and message["type"] == "message"
+    assert seen == 2
+    monkeypatch.setattr(slow, "_read_published", lambda *a, **k: pytest.fail("a look"))
+    step, params = slow.pull(after=0, timeout=5)
+    assert step == 2
+    for name, value in _small_model().items():
+        np.testing.assert_array_equal(params[name], value - 2.0)
+    _close(listener, slow, fast, ps)
 
 
 def test_announcements_that_do_not_fit_are_read_instead(target):

@@ -608,10 +608,14 @@ class ParameterServer(_Job):
         gradients: Redis lost its last publish (a failover to a replica that had not got it;
         the accumulators, in other slots, may have kept their steps). No worker would ever
         push for this chief's step: it must publish again (:meth:`_publish_again`)."""
-        if not self._waiting or self._step is None:
+        mine = self._step
+        if not self._waiting or mine is None:
             return False
         run, step = (reply_text(v) for v in self.redis.hmget(self.keys.params, ["run", "step"]))
-        return self._waiting and run == self._run and step.isdigit() and int(step) < self._step
+        # (the chief may have taken, published and started waiting for its next step while
+        # this read was on its way: the step read is then its last, not one lost)
+        return (self._waiting and self._step == mine and run == self._run and step.isdigit()
+                and int(step) < mine)  # fmt: skip
 
     def _publish_again(self) -> None:
         """Publish this chief's parameters at its step once more (see
