@@ -52,6 +52,10 @@ BLOCKING_TIMEOUT = WAIT_SLICE + 5.0
 #: Seconds one blocking wait lasts on a Redis Cluster: a wait on a node the slot has left (a
 #: failover, a migration) ends soon.
 CLUSTER_WAIT_SLICE = 0.5
+#: Seconds ``close()`` gives operations in flight in other threads (tasks) to end before it
+#: closes their connections: a take whose wait it cut withdraws from the queue of takers, an
+#: apply or take between its script's request and its reply gets that reply.
+CLOSE_GRACE = 5.0
 
 
 def blocking_timeout(socket_timeout: float, wait_slice: float = WAIT_SLICE) -> float:

@@ -7,12 +7,13 @@ thread. Kind-specific code (validation, payload layout, reduction) lives in
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar, cast
 
 import redis
@@ -21,7 +22,7 @@ from redis.exceptions import NoScriptError, ResponseError
 
 from . import _private, _retry, _scripts, _take
 from ._cluster_batch import by_node_batch, each, is_script, on_node, per_node
-from ._connection import CLUSTER_WAIT_SLICE, Client, Connections, connect
+from ._connection import CLOSE_GRACE, CLUSTER_WAIT_SLICE, Client, Connections, connect
 from ._direct import execute_batch, pooled
 from ._errors import CancelledError
 from ._keys import SCHEMA_VERSION, Keys
@@ -96,6 +97,8 @@ class AccumulatorBase(AccumulatorModel):
         # pools are shared with other accumulators and stay open)
         self._waits: set[Any] = set()
         self._waits_lock = threading.Lock()
+        # operations in flight, by thread: close() gives the other threads' time to end
+        self._drives: dict[int, int] = {}
         try:
             self._run(self._open_ops(server_of(self._conns.commands), self._cluster))
         except BaseException:
@@ -115,18 +118,58 @@ class AccumulatorBase(AccumulatorModel):
 
     def close(self) -> None:
         """Release connections; a private accumulator's keys are deleted. A take waiting in
-        another thread raises :class:`CancelledError`."""
+        another thread raises :class:`CancelledError`. Operations in flight in other threads
+        are given up to :data:`~accumulator._connection.CLOSE_GRACE` seconds to end first (a
+        cut take withdraws from the queue of takers, so that the next take does not wait for
+        its lease to run out; a script's reply on its way is received, not cut off)."""
         self._closed = True
+        cut: set[int] = set()
+        deadline = time.monotonic() + CLOSE_GRACE
+        while True:
+            # (cut again while waiting: a wait may have begun just as the flag was set)
+            self._cut_waits(cut)
+            if not self._others_driving() or time.monotonic() >= deadline:
+                break
+            time.sleep(0.01)
+        if self._others_driving():
+            logger.warning("closing %r with an operation still running after %gs",
+                           self._shared_name, CLOSE_GRACE)  # fmt: skip
+        self._finalizer()
+
+    def _cut_waits(self, cut: set[int]) -> None:
+        """Break the waits in progress not cut yet (their ids in ``cut``)."""
         with self._waits_lock:
-            waits = list(self._waits)
+            waits = [wait for wait in self._waits if id(wait) not in cut]
         for wait in waits:
+            cut.add(id(wait))
             conn = wait.connection if isinstance(wait, PubSub) else wait
             try:
                 if conn is not None:
                     conn.disconnect()
             except Exception:  # noqa: BLE001 - fakeredis's socket refuses a second thread
                 logger.debug("could not cut a wait of %s", self._keys.base, exc_info=True)
-        self._finalizer()
+
+    @contextlib.contextmanager
+    def _driving(self) -> Iterator[None]:
+        """Counts an operation in flight in this thread while it runs (see :meth:`close`)."""
+        me = threading.get_ident()
+        with self._waits_lock:
+            self._drives[me] = self._drives.get(me, 0) + 1
+        try:
+            yield
+        finally:
+            with self._waits_lock:
+                if self._drives[me] > 1:
+                    self._drives[me] -= 1
+                else:
+                    del self._drives[me]
+
+    def _others_driving(self) -> bool:
+        """Whether an operation is in flight in another thread than this one (a close() in
+        the middle of an operation of its own thread, a signal handler's, waits for none)."""
+        me = threading.get_ident()
+        with self._waits_lock:
+            return any(thread != me for thread in self._drives)
 
     def __enter__(self: _A) -> _A:
         return self
@@ -159,15 +202,16 @@ class AccumulatorBase(AccumulatorModel):
         if error is None:  # a closed object (or one holding an interrupt) says so first,
             self._check_open()  # before any check of the input, as the asyncio twin does
         reply: Any = None
-        while True:
-            done, request = advance(ops, reply, error)
-            if done:
-                return request  # type: ignore[no-any-return]
-            reply, error = None, None
-            try:
-                reply = self._do(request)
-            except BaseException as exc:  # noqa: BLE001 - the protocol decides what to do
-                error = exc
+        with self._driving():
+            while True:
+                done, request = advance(ops, reply, error)
+                if done:
+                    return request  # type: ignore[no-any-return]
+                reply, error = None, None
+                try:
+                    reply = self._do(request)
+                except BaseException as exc:  # noqa: BLE001 - the protocol decides what to do
+                    error = exc
 
     def _do(self, request: Request) -> Any:
         commands = self._conns.commands

@@ -39,6 +39,16 @@ def run_together(
     as it would alone (a claimed round goes back), and then raised. ``on_outcome(i,
     outcome)`` is called as each step ends: what ended before an interrupt is not lost (a
     round taken is the caller's)."""
+    with contextlib.ExitStack() as driving:  # (each accumulator's close() waits for them)
+        for acc in {id(acc): acc for acc, _ in steps}.values():
+            driving.enter_context(acc._driving())
+        return _run_steps(steps, on_outcome)
+
+
+def _run_steps(
+    steps: Sequence[tuple[AccumulatorBase, Ops[Any]]],
+    on_outcome: Callable[[int, Outcome], None] | None,
+) -> list[Outcome]:
     outcomes: list[Outcome | None] = [None] * len(steps)
     feed: dict[int, tuple[Any, BaseException | None]] = {i: (None, None) for i in range(len(steps))}
     pending: dict[int, Request] = {}

@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 import redis
-from _helpers import redis_snapshot, take_script
+from _helpers import PROMPT, redis_snapshot, take_script, waiting_takers
 
 import accumulator
 from accumulator import _direct, _model, _scripts
@@ -850,6 +850,52 @@ def test_close_from_another_thread_cancels_a_waiting_take(target):
     waiter.join(5)
     assert outcome and isinstance(outcome[0], accumulator.CancelledError), outcome
     assert other.global_step() == 0 and other.num_accumulated() == 1  # nothing claimed
+
+
+def test_close_lets_an_operation_in_flight_in_another_thread_end_first(target):
+    """close() from another thread while a take holds its script's reply (between the
+    round trip and its wait): it waits for that take to end, which sees the close, raises
+    CancelledError and withdraws from the queue of takers before the connections close (a
+    review's stress runs: the close cut the take's connection under it, which raised
+    UnavailableError and left its entry to its lease, the next take waiting behind it)."""
+    acc = make(target)
+    replied, go = threading.Event(), threading.Event()
+    real_do = acc._do
+
+    def gated(request):
+        reply = real_do(request)
+        if getattr(request, "name", None) == "take" and not replied.is_set():
+            replied.set()  # in the FIFO now, its wait not begun
+            go.wait(PROMPT)
+        return reply
+
+    acc._do = gated
+    outcome: list[object] = []
+
+    def take():
+        try:
+            outcome.append(acc.take_grad(1, timeout=10))
+        except BaseException as exc:  # noqa: BLE001 - recorded for the assertion
+            outcome.append(exc)
+
+    taker = threading.Thread(target=take)
+    taker.start()
+    assert replied.wait(PROMPT)
+    assert waiting_takers(target, acc) == 1
+    closer = threading.Thread(target=acc.close)
+    closer.start()
+    closer.join(0.3)
+    assert closer.is_alive()  # waiting for the take in flight (it returned at once before)
+    go.set()
+    closer.join(PROMPT)
+    assert not closer.is_alive()
+    assert waiting_takers(target, acc) == 0  # withdrawn before the close ended
+    taker.join(PROMPT)
+    assert outcome and isinstance(outcome[0], accumulator.CancelledError), outcome
+    other = make(target)
+    other.apply_grad(np.ones(SMALL))
+    np.testing.assert_array_equal(other.take_grad(1, timeout=PROMPT), np.ones(SMALL))
+    other.close()
 
 
 def test_bad_timeouts_and_steps_are_refused(target):

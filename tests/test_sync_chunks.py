@@ -220,14 +220,11 @@ def _two_steps_behind(target, job):
     slow = Worker(job, client=target.client())
     fast = Worker(job, client=target.client())
     assert slow.pull(timeout=5)[0] == 0
-    # a listener subscribed as ``slow`` is (on a cluster: at the channel's slot's node)
-    listener = target.redis().pubsub()
-    listener.subscribe(slow.keys.channel)
     for step in range(2):
         fast.pull(timeout=5)
         fast.push(step, {name: np.ones((8, 4), np.float32) for name in _small_model()})
         ps.step(1.0, timeout=5)
-    return ps, slow, fast, listener
+    return ps, slow, fast
 
 
 def _close(*objects):
@@ -239,32 +236,30 @@ def test_a_worker_steps_behind_pulls_the_newest_parameters(target):
     """The pull reads the version it expects next along with the hash; when the chief is
     further ahead, it reads the version the hash names instead (a worker whose pub/sub
     connection was lost meanwhile: it looks)."""
-    ps, slow, fast, listener = _two_steps_behind(target, "behind")
+    ps, slow, fast = _two_steps_behind(target, "behind")
     slow._drop_pubsub()  # (its connection lost: the announcements in it with it)
     step, params = slow.pull(after=0, timeout=5)
     assert step == 2
     for name, value in _small_model().items():
         np.testing.assert_array_equal(params[name], value - 2.0)
-    _close(listener, slow, fast, ps)
+    _close(slow, fast, ps)
 
 
 def test_a_worker_with_announcements_in_hand_returns_the_newest(target, monkeypatch):
     """A worker subscribed since its last pull reads no hash: of the announcements in hand
-    it returns the newest. (A PUBLISH's reply may reach the chief before the announcement
-    reaches a subscriber's socket: the test waits until a listener has the last one; the
-    server writes it to every subscriber in the same pass.)"""
-    ps, slow, fast, listener = _two_steps_behind(target, "inhand")
-    seen, deadline = 0, time.monotonic() + 5
-    while seen < 2 and time.monotonic() < deadline:
-        message = listener.get_message(timeout=0.5)
-        seen += message is not None and message["type"] == "message"
-    assert seen == 2
+    it returns the newest. In-process (fakeredis) both are in hand when the chief's step
+    returns; a server may write a PUBLISH's reply to the chief before the announcement to a
+    subscriber (CI failed on that, on a cluster): the worker may have step 1 alone in hand,
+    and gets step 2 from the next announcement, still without a look."""
+    ps, slow, fast = _two_steps_behind(target, "inhand")
     monkeypatch.setattr(slow, "_read_published", lambda *a, **k: pytest.fail("a look"))
     step, params = slow.pull(after=0, timeout=5)
+    if target.kind != "fake" and step == 1:
+        step, params = slow.pull(after=1, timeout=5)
     assert step == 2
     for name, value in _small_model().items():
         np.testing.assert_array_equal(params[name], value - 2.0)
-    _close(listener, slow, fast, ps)
+    _close(slow, fast, ps)
 
 
 def test_announcements_that_do_not_fit_are_read_instead(target):

@@ -17,7 +17,7 @@ from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.exceptions import NoScriptError, ResponseError
 
 from .. import _private, _retry, _scripts
-from .._connection import CLUSTER_WAIT_SLICE
+from .._connection import CLOSE_GRACE, CLUSTER_WAIT_SLICE
 from .._errors import AccumulatorError, CancelledError
 from .._model import AccumulatorModel, server_of
 from .._requests import (
@@ -48,10 +48,6 @@ from ._connection import (
 from ._receive import receive
 
 logger = logging.getLogger("accumulator")
-
-#: Seconds :meth:`AccumulatorBase.aclose` gives operations running in other tasks to end
-#: before it closes the connections.
-CLOSE_GRACE = 5.0
 
 _A = TypeVar("_A", bound="AccumulatorBase")
 _T = TypeVar("_T")
