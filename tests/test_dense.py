@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 import redis
-from _helpers import PROMPT, redis_snapshot, take_script, waiting_takers
+from _helpers import PROMPT, Taker, redis_snapshot, take_script, waiting_takers
 
 import accumulator
 from accumulator import _direct, _model, _scripts
@@ -870,15 +870,7 @@ def test_close_lets_an_operation_in_flight_in_another_thread_end_first(target):
         return reply
 
     acc._do = gated
-    outcome: list[object] = []
-
-    def take():
-        try:
-            outcome.append(acc.take_grad(1, timeout=10))
-        except BaseException as exc:  # noqa: BLE001 - recorded for the assertion
-            outcome.append(exc)
-
-    taker = threading.Thread(target=take)
+    taker = Taker(acc, 1, timeout=10)
     taker.start()
     assert replied.wait(PROMPT)
     assert waiting_takers(target, acc) == 1
@@ -890,8 +882,8 @@ def test_close_lets_an_operation_in_flight_in_another_thread_end_first(target):
     closer.join(PROMPT)
     assert not closer.is_alive()
     assert waiting_takers(target, acc) == 0  # withdrawn before the close ended
-    taker.join(PROMPT)
-    assert outcome and isinstance(outcome[0], accumulator.CancelledError), outcome
+    with pytest.raises(accumulator.CancelledError):
+        taker.finish()
     other = make(target)
     other.apply_grad(np.ones(SMALL))
     np.testing.assert_array_equal(other.take_grad(1, timeout=PROMPT), np.ones(SMALL))
