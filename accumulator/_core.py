@@ -149,20 +149,28 @@ class AccumulatorBase(AccumulatorModel):
             except Exception:  # noqa: BLE001 - fakeredis's socket refuses a second thread
                 logger.debug("could not cut a wait of %s", self._keys.base, exc_info=True)
 
-    @contextlib.contextmanager
-    def _driving(self) -> Iterator[None]:
-        """Counts an operation in flight in this thread while it runs (see :meth:`close`)."""
+    def _drive_begins(self) -> int:
+        """Counts an operation in flight in this thread (see :meth:`close`); its id."""
         me = threading.get_ident()
         with self._waits_lock:
             self._drives[me] = self._drives.get(me, 0) + 1
+        return me
+
+    def _drive_ends(self, me: int) -> None:
+        with self._waits_lock:
+            if self._drives[me] > 1:
+                self._drives[me] -= 1
+            else:
+                del self._drives[me]
+
+    @contextlib.contextmanager
+    def _driving(self) -> Iterator[None]:
+        """An operation in flight in this thread while the block runs (see :meth:`close`)."""
+        me = self._drive_begins()
         try:
             yield
         finally:
-            with self._waits_lock:
-                if self._drives[me] > 1:
-                    self._drives[me] -= 1
-                else:
-                    del self._drives[me]
+            self._drive_ends(me)
 
     def _others_driving(self) -> bool:
         """Whether an operation is in flight in another thread than this one (a close() in
@@ -202,7 +210,8 @@ class AccumulatorBase(AccumulatorModel):
         if error is None:  # a closed object (or one holding an interrupt) says so first,
             self._check_open()  # before any check of the input, as the asyncio twin does
         reply: Any = None
-        with self._driving():
+        me = self._drive_begins()  # (not a context manager: ~1 us less per operation)
+        try:
             while True:
                 done, request = advance(ops, reply, error)
                 if done:
@@ -212,6 +221,8 @@ class AccumulatorBase(AccumulatorModel):
                     reply = self._do(request)
                 except BaseException as exc:  # noqa: BLE001 - the protocol decides what to do
                     error = exc
+        finally:
+            self._drive_ends(me)
 
     def _do(self, request: Request) -> Any:
         commands = self._conns.commands
