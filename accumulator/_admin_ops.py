@@ -24,7 +24,7 @@ from ._errors import (
 )
 from ._keys import DEFAULT_PREFIX, SCHEMA_VERSION, SCHEMAS, Keys
 from ._model import SWEEP_LEASE_MS, old_step
-from ._routing import slot_moving
+from ._routing import raise_slot_moving
 
 logger = logging.getLogger("accumulator")
 
@@ -311,7 +311,7 @@ def _drop_claim(
             pipe.execute()
         return entries, spread
     except redis.exceptions.AskError as exc:  # (a cluster's transaction, its slot moving)
-        raise slot_moving(r, exc) from exc
+        raise_slot_moving(r, exc)
     except redis.WatchError:
         raise NotFoundError(
             f"the round claimed by {taker_id!r} changed while it was being dropped (the taker "

@@ -24,7 +24,7 @@ from redis.sentinel import SentinelConnectionPool
 from . import _retry as retrying
 from ._errors import FailedPreconditionError, PermissionDeniedError
 from ._retry import RETRY_WINDOW
-from ._routing import slot_moving
+from ._routing import raise_slot_moving
 from ._urls import (
     CONNECT_TIMEOUT,
     LOGIN_REFUSED,
@@ -465,7 +465,7 @@ def atomically(r: Any, queue: Callable[[Any], None], raise_on_error: bool = True
     except OutOfMemoryError:
         logger.debug("at maxmemory: the transaction is sent as a plain pipeline")
     except AskError as exc:
-        raise slot_moving(r, exc) from exc
+        raise_slot_moving(r, exc)
     pipe = r.pipeline(transaction=False)
     queue(pipe)
     return list(pipe.execute(raise_on_error=raise_on_error))

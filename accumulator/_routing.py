@@ -4,7 +4,7 @@ node and its replies joined back, redirects recognised. No I/O."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import Any, NoReturn, cast
 
 import redis
 from redis.cluster import RedisCluster
@@ -15,16 +15,15 @@ def is_cluster(client: Any) -> bool:
     return isinstance(client, RedisCluster)
 
 
-def slot_moving(client: Any, exc: Exception) -> Exception:
-    """What a transaction (MULTI/EXEC) redirected with ASK raises: on a cluster client, whose
-    transactions redis-py does not follow through a slot's migration, a ``TryAgainError``
-    (retried within the window, until the slot has moved); on a plain client ``exc`` itself
-    (a node of a cluster reached by a plain URL: the retry layer says so)."""
+def raise_slot_moving(client: Any, exc: Exception) -> NoReturn:
+    """Raise what a transaction (MULTI/EXEC) redirected with ASK means: on a cluster client,
+    whose transactions redis-py does not follow through a slot's migration, a
+    ``TryAgainError`` (retried within the window, until the slot has moved); on a plain
+    client ``exc`` itself (a node of a cluster reached by a plain URL: the retry layer says
+    so)."""
     if not is_cluster(client):
-        return exc
-    again = redis.exceptions.TryAgainError(f"the slot is being migrated ({exc})")
-    again.__cause__ = exc
-    return again
+        raise exc
+    raise redis.exceptions.TryAgainError(f"the slot is being migrated ({exc})") from exc
 
 
 def is_redirect(reply: Exception) -> bool:

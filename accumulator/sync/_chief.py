@@ -28,7 +28,7 @@ from .._errors import (
 )
 from .._keys import Keys, is_done_mark
 from .._requests import Call
-from .._routing import is_cluster, slot_moving
+from .._routing import is_cluster, raise_slot_moving
 from .._stream import write_parts
 from .._together import call_step, run_together
 from ._job import TrainingFinished, _Job, accumulator_name
@@ -458,7 +458,7 @@ class ParameterServer(_Job):
             try:
                 return list(pipe.execute()[-1])
             except AskError as exc:  # (a cluster's transaction, its slot being migrated)
-                raise slot_moving(self.redis, exc) from exc
+                raise_slot_moving(self.redis, exc)
             except ResponseError as exc:  # NOSCRIPT comes through as it is
                 _scripts.raise_translated(exc)
 
