@@ -27,6 +27,7 @@ from accumulator.sync import (
     ChiefConflictError,
     TrainingFinished,
     Worker,
+    _worker,
     accumulator_name,
     chief_key,
 )
@@ -86,6 +87,10 @@ def _assert_params(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> N
     assert set(got) == set(want)
     for name in want:
         np.testing.assert_allclose(got[name], want[name], rtol=1e-12, err_msg=name)
+
+
+def _never(*args, **kwargs):
+    raise AssertionError("not to be called")
 
 
 def _steps(target, job: str) -> dict[str, int]:
@@ -170,7 +175,9 @@ def test_push_into_a_finished_job_is_refused(target):
 
 
 @pytest.mark.parametrize("how", ["final step", "finish"])
-def test_a_push_after_the_end_from_a_worker_that_has_not_pulled_applies_nothing(target, how):
+def test_a_push_after_the_end_from_a_worker_that_has_not_pulled_applies_nothing(
+    target, how, monkeypatch
+):
     """The worker pulled before the job finished: its push makes no look at the job first,
     the sealed accumulators refuse it (TrainingFinished, nothing applied, not counted); a
     push for an earlier step is still dropped as stale."""
@@ -196,10 +203,23 @@ def test_a_push_after_the_end_from_a_worker_that_has_not_pulled_applies_nothing(
     after = ps.stats()
     assert (after.pushes, after.stale) == (before.pushes, before.stale)
     assert "late" not in after.workers or after.workers["late"].pushes == 0
+    assert late.finished  # the push told it
     if final > 0:
         assert late.push(0, _grad(params, 0, 0)) == {"w": False, "emb": False, "b": False}
     with pytest.raises(TrainingFinished):
         late.pull(after=step, timeout=5)
+    assert late.finished and late.step == step  # still the parameters it pulled
+    # the worker that was told by its pull: finished, and a push at the final step is refused
+    # without a look at Redis; an earlier one is dropped as stale, as any late push
+    with pytest.raises(TrainingFinished):
+        other.pull(after=step, timeout=5)
+    assert other.finished and other.step == step
+    with monkeypatch.context() as m:
+        m.setattr(_worker, "validated_push", _never)
+        with pytest.raises(TrainingFinished, match="nothing was applied"):
+            other.push(final, _grad(params, final, 1))
+    if final > 0:
+        assert other.push(0, _grad(params, 0, 1)) == {"w": False, "emb": False, "b": False}
     for w in (late, other):
         w.close()
     ps.close()

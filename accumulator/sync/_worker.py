@@ -86,6 +86,9 @@ class Worker(_Job):
         self._run: str | None = None
         self._step: int | None = None
         self._finished = False
+        # the final step of a finished job that a pull(after=) raised TrainingFinished for
+        # (the worker still holds the parameters of its last pull, not the final ones)
+        self._ended_at: int | None = None
         # (step, {param: accepted}, push id) of a push that failed part-way: pushing again at
         # that step applies only the other tensors, and counts under the same push id.
         self._partial: tuple[int, dict[str, bool], str] | None = None
@@ -104,8 +107,9 @@ class Worker(_Job):
 
     @property
     def finished(self) -> bool:
-        """Whether the last pull returned the final parameters of a finished job."""
-        return self._finished
+        """Whether this worker has seen its job finished: the last pull returned the final
+        parameters of a finished job, or raised :class:`TrainingFinished`."""
+        return self._finished or self._ended_at is not None
 
     def _subscribe(self) -> None:
         def subscribe() -> Any:
@@ -158,6 +162,7 @@ class Worker(_Job):
 
         def finished(step: int) -> TrainingFinished:
             # no gradient is wanted any more: a push would never be taken
+            self._ended_at = step
             return TrainingFinished(f"sync job {self.job!r} finished at step {step}")
 
         # the version a steady worker pulls next: its parameters come with the first look
@@ -167,7 +172,7 @@ class Worker(_Job):
             guess = Version(self._run, after + 1, tuple(self._specs), self._fusion, tenure)
         # Subscribed since the look that gave this worker its step, it has every announcement
         # made after that look in hand: waiting for the next one needs no look first.
-        look = not (guess is not None and not self._finished and self._step is not None
+        look = not (guess is not None and not self.finished and self._step is not None
                     and after is not None and after >= self._step
                     and self._pubsub is not None and self._watched is self._pubsub)  # fmt: skip
         looked = False  # a timeout is raised only after one look at least
@@ -246,6 +251,7 @@ class Worker(_Job):
         self._published = dataclasses.replace(published, params={})
         self._step = published.step
         self._finished = published.done
+        self._ended_at = None
         return published.step, published.params
 
     def push(self, step: int, grads: Mapping[str, Any]) -> dict[str, bool]:
@@ -270,9 +276,10 @@ class Worker(_Job):
         step = scalar_int(step, "step")
         # Finished since the last pull, the job's accumulators are sealed: the applies below
         # are refused (lua/seal.lua).
-        if self._finished and self._step is not None and step >= self._step:
+        final = self._step if self._finished else self._ended_at
+        if final is not None and step >= final:
             raise TrainingFinished(
-                f"sync job {self.job!r} finished at step {self._step}: a push at step "
+                f"sync job {self.job!r} finished at step {final}: a push at step "
                 f"{step} would never be taken; nothing was applied"
             )
         prepared = validated_push(self.job, self._units, self._accs, grads)
@@ -369,6 +376,8 @@ class Worker(_Job):
         """The job finished since this worker's last pull: its accumulators are sealed. The
         push is not counted (its count, made before, is amended to 'none')."""
         self._partial = None
+        if sealed.final_step is not None:
+            self._ended_at = sealed.final_step
         try:
             self._count_now(push_id, "none")
         except Exception:  # noqa: BLE001 - a counter: the push's outcome is what matters
