@@ -770,3 +770,32 @@ def test_of_two_nans_the_first_operands_comes_out_quieted(dtype, n):
         rest = _nan_rule_ref(_nan_rule_ref(a, b), np.ones_like(a))
     if dtype.kind == "f" and dtype.itemsize >= 4:  # flushed as TF's (no subnormals drawn)
         assert _bits(out) == _bits(rest)
+
+
+# accumulator/_reduce.py _float_into: `divisor > _NMANT_POW[dtype]` (mutant: dropped) -----------
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_a_mean_of_a_sum_over_more_than_2_to_the_nmant_gradients_flushes_its_result(dtype):
+    # one input (a running sum kept in Redis holds many gradients) with no small value, and
+    # a count past 2**nmant: the quotient can still be subnormal, and is flushed as TF's
+    nmant = np.finfo(dtype).nmant
+    x = np.array([np.finfo(dtype).tiny * 2.0 ** (nmant + 1)], dtype)  # the least not-small
+    out = np.empty(1, dtype)
+    _reduce.reduce_into(out, [x], "MEAN", count=2 ** (nmant + 1) + 2)
+    assert out.view(np.uint32 if dtype == np.float32 else np.uint64)[0] == 0  # +0.0
+
+
+# accumulator/_reduce.py sparse_merge: the flush after MEAN's division (mutant: dropped) --------
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_a_sparse_mean_flushes_a_quotient_that_is_subnormal(dtype):
+    tiny = np.finfo(dtype).tiny
+    grads = [
+        (np.array([0]), np.array([[1.5 * tiny]], dtype)),
+        (np.array([0]), np.array([[0.25 * tiny]], dtype)),
+    ]  # subnormal: counts as zero
+    _, values = _reduce.sparse_merge(grads, (1,), np.dtype(dtype), "MEAN")
+    # (1.5 tiny + 0) / 2 is subnormal: TF's flush-to-zero makes it +0
+    assert values.view(np.uint32 if dtype == np.float32 else np.uint64)[0, 0] == 0
