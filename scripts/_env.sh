@@ -2,7 +2,7 @@
 # Shared helpers for scripts/*.sh. Source it (`. scripts/_env.sh`), do not run it.
 #
 # Knobs (environment variables):
-#   PYTHON                     interpreter used to create .venv (default: python3, >= 3.10)
+#   PYTHON                     interpreter used to create .venv (default: python3, >= 3.11)
 #   ACC_VENV                   venv location (default: <repo>/.venv)
 #   REDIS_URL                  use this server as the real backend; no binary is provisioned
 #   ACCUMULATOR_REDIS_SERVER   path of the redis-server/valkey-server binary to use
@@ -22,28 +22,28 @@ acc_die() {
     exit 1
 }
 
-# True if the interpreter $1 runs and is Python >= 3.10.
+# True if the interpreter $1 runs and is Python >= 3.11.
 acc_python_ok() {
-    "$1" -c 'import sys; sys.exit(sys.version_info < (3, 10))' >/dev/null 2>&1
+    "$1" -c 'import sys; sys.exit(sys.version_info < (3, 11))' >/dev/null 2>&1
 }
 
-# Print the interpreter to build the venv with: $PYTHON, else the first python3.x >= 3.10.
+# Print the interpreter to build the venv with: $PYTHON, else the first python3.x >= 3.11.
 acc_find_python() {
     local candidate found
     if [[ -n "${PYTHON:-}" ]]; then
         acc_python_ok "$PYTHON" ||
-            acc_die "PYTHON=$PYTHON is not a working Python >= 3.10 ($("$PYTHON" -V 2>&1 || true))"
+            acc_die "PYTHON=$PYTHON is not a working Python >= 3.11 ($("$PYTHON" -V 2>&1 || true))"
         printf '%s\n' "$PYTHON"
         return
     fi
-    for candidate in python3 python3.13 python3.12 python3.11 python3.10; do
+    for candidate in python3 python3.13 python3.12 python3.11; do
         found="$(command -v "$candidate" 2>/dev/null)" || continue
         if acc_python_ok "$found"; then
             printf '%s\n' "$found"
             return
         fi
     done
-    acc_die "redis-accumulator needs Python >= 3.10; found $(python3 -V 2>&1 || echo 'no python3')." \
+    acc_die "redis-accumulator needs Python >= 3.11; found $(python3 -V 2>&1 || echo 'no python3')." \
         "Install a newer Python and re-run with PYTHON=/path/to/python3.X"
 }
 

@@ -224,7 +224,7 @@ async def _drained(writer: asyncio.StreamWriter, timeout: float | None) -> None:
     """``writer.drain()`` within the socket timeout; its failures as redis-py's errors."""
     try:
         await asyncio.wait_for(writer.drain(), timeout)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         raise redis.TimeoutError("Timeout writing to socket") from None
     except OSError as exc:
         raise redis.ConnectionError(f"writing to socket: {exc}") from exc

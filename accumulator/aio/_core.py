@@ -92,20 +92,15 @@ def _redeliver(task: asyncio.Task[Any]) -> None:
     operation was all it ran: its result stands), nor when the cancel was withdrawn (an
     ``asyncio.timeout`` scope that the operation finished in took it back on exit); counted
     once (for timeout scopes and task groups)."""
-    if task.done():
+    if task.done() or task.cancelling() == 0:
         return
-    cancelling, uncancel = getattr(task, "cancelling", None), getattr(task, "uncancel", None)
-    if callable(cancelling) and callable(uncancel):  # Python 3.11+
-        if cancelling() == 0:
-            return
-        uncancel()
+    task.uncancel()
     task.cancel()
 
 
 def _cancelling(task: asyncio.Task[Any] | None) -> int:
-    """How many cancels of ``task`` are pending or were delivered (Python 3.11+; 0 before)."""
-    count = getattr(task, "cancelling", None)
-    return int(count()) if callable(count) else 0
+    """How many cancels of ``task`` are pending or were delivered (0 without a task)."""
+    return 0 if task is None else task.cancelling()
 
 
 class AccumulatorBase(AccumulatorModel):
