@@ -97,6 +97,14 @@ class Info:
     stray_bytes: int | None = None  # their MEMORY USAGE (``describe`` with memory; else None)
     stray_expire_ms: int | None = None  # ms until the last of them expires (-1: one never does;
     # None: none, or not known)
+    #: parts of payloads spread over a cluster's slots (no expiry of their own) that the orphans
+    #: record names: applies being sent, or never finished (their worker killed half-way);
+    #: None: not scanned
+    spread_stray_keys: int | None = 0
+    spread_stray_bytes: int | None = None  # their MEMORY USAGE (``describe`` with memory)
+    #: ms until the last of their records runs out; after that the accumulator's next apply,
+    #: take, reset or delete deletes them (0: due now; None: none)
+    spread_stray_due_ms: int | None = None
     memory_bytes: int | None = None  # MEMORY USAGE summed over keys; None when unavailable
     definition_error: str | None = field(default=None)
     max_pending_bytes: int | None = None  # the pending-bytes limit (None: set by no opener)

@@ -236,6 +236,26 @@ def _last_expiry(r: redis.Redis, keys: list[bytes]) -> int | None:
     return max(max(int(t), 0) for t in ttls)
 
 
+def _spread_strays(
+    r: redis.Redis, keys: Keys, orphans: list[Any], now: int | None
+) -> tuple[list[bytes], int | None]:
+    """The parts in Redis of the spread payloads the orphans zset records (applies being
+    sent, or never finished; garbage not yet swept): they live in other slots, with no
+    expiry of their own, where no SCAN of the accumulator's pattern finds them. And the ms
+    until the last record runs out (0: due now; None: none, or the server's clock unknown)."""
+    members = [(m, s) for m, s in orphans if isinstance(m, bytes)]
+    parts = keys.orphan_parts([m for m, _ in members])
+    if not parts:
+        return [], None
+    pipe = r.pipeline(transaction=False)
+    for part in parts:
+        pipe.exists(part)
+    there = [p for p, n in zip(parts, pipe.execute(raise_on_error=False), strict=True) if n == 1]
+    if not there or now is None:
+        return there, None
+    return there, max(max(int(score) - now, 0) for _, score in members)
+
+
 def _left_claims(
     r: redis.Redis, keys: Keys, claim_keys: list[bytes], claim_head: bytes, now: int | None
 ) -> tuple[list[LeftClaim], int, set[bytes]]:
@@ -325,9 +345,12 @@ def describe(
         pipe.lrange(keys.grads, 0, -1)
         pipe.llen(keys.quarantine)
         pipe.hgetall(keys.claims)
+        pipe.zrange(keys.orphans, 0, -1, withscores=True)
 
     replies = atomically(r, queue)  # one consistent snapshot of the fixed keys
-    now_reply, state, ranked, taker_info, entries, quarantined, registry = clocks[-1](replies)
+    now_reply, state, ranked, taker_info, entries, quarantined, registry, orphans = clocks[-1](
+        replies
+    )
     if not state:
         raise _not_found(shared_name, container)
     now = _server_ms(now_reply)
@@ -367,6 +390,7 @@ def describe(
         logger.debug("%d stray keys under %s", len(stray), keys.base)
         stray_expire = _last_expiry(r, stray)
         stray_bytes = _memory_usage(r, stray) if memory else None
+    spread, spread_due = _spread_strays(r, keys, _listed(orphans), now) if scan else ([], None)
     return _info(
         container,
         shared_name,
@@ -383,9 +407,12 @@ def describe(
         stray_keys=len(stray) if scan else None,
         stray_bytes=stray_bytes,
         stray_expire_ms=stray_expire,
+        spread_stray_keys=len(spread) if scan else None,
+        spread_stray_bytes=_memory_usage(r, spread) if memory and spread else None,
+        spread_stray_due_ms=spread_due,
         quarantined=int(quarantined or 0),
         # with the parts of spread payloads (other slots, not under the pattern)
-        memory_bytes=_memory_usage(r, sorted(found | referenced | set(claim_keys)))
+        memory_bytes=_memory_usage(r, sorted(found | referenced | set(claim_keys) | set(spread)))
         if memory else None,
     )
 

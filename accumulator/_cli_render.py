@@ -305,6 +305,17 @@ def render_show(info: _admin.Info, prev: _admin.Info | None = None) -> list[str]
                 f"short); {when} (`reset` keeps them: an apply may be on its way; `delete` "
                 "removes them)"
             )
+        if info.spread_stray_keys:
+            size = ("" if info.spread_stray_bytes is None
+                    else f", {fmt_bytes(info.spread_stray_bytes)}")  # fmt: skip
+            due = info.spread_stray_due_ms
+            after = "" if not due else f" after {fmt_ms(due)}"
+            lines.append(
+                f"  {plural(info.spread_stray_keys, 'stray part')}{size} of gradients spread "
+                "over the cluster's slots (applies being sent, or never completed: a worker "
+                "killed while it sent one); they have no expiry of their own: the "
+                f"accumulator's next apply, take, reset or delete{after} deletes them"
+            )
     return lines
 
 

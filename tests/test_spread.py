@@ -191,6 +191,37 @@ def test_an_apply_that_died_before_its_script_is_swept(target, monkeypatch):
     np.testing.assert_array_equal(acc.take_grad(1), np.full(SHAPE, 2.0))
 
 
+def test_describe_and_show_report_the_parts_of_an_apply_that_died(target, monkeypatch):
+    """The parts of a spread payload whose worker died half-way have no expiry and sit under
+    other slots' hash tags, where no SCAN of the accumulator's own pattern looks: ``describe``
+    finds them by the orphans record, and ``show`` says when they go."""
+    from accumulator._cli_render import render_show
+
+    acc = make(target)
+    _on_apply_script(acc, monkeypatch, lambda run, n: (_ for _ in ()).throw(KeyboardInterrupt))
+    with pytest.raises(KeyboardInterrupt):
+        acc.apply_grad(np.ones(SHAPE))
+    monkeypatch.undo()
+    r = target.redis()
+    info = _admin.describe(r, "spread")
+    assert info.spread_stray_keys == 4 and info.stray_keys == 0
+    assert info.spread_stray_bytes is None or info.spread_stray_bytes >= SHAPE[0] * 16
+    assert 0 < info.spread_stray_due_ms <= _model.ORPHAN_TTL_MS
+    text = "\n".join(render_show(info))
+    assert "4 stray parts" in text and "after" in text
+    # the record ran out: due, and the next apply deletes them
+    (member,) = orphans(r, acc)
+    r.zadd(acc._keys.orphans, {member: 0})
+    info = _admin.describe(r, "spread")
+    assert (info.spread_stray_keys, info.spread_stray_due_ms) == (4, 0)
+    assert "next apply, take, reset or delete deletes them" in "\n".join(render_show(info))
+    assert acc.apply_grad(np.full(SHAPE, 2.0))
+    info = _admin.describe(r, "spread")
+    assert info.spread_stray_keys == 0 and info.spread_stray_due_ms is None
+    assert "stray part" not in "\n".join(render_show(info))
+    acc.close()
+
+
 def test_a_taker_that_died_after_its_finish_leaves_garbage_the_next_apply_sweeps(target):
     acc = make(target)
     acc.apply_grad(np.ones(SHAPE))
