@@ -38,9 +38,10 @@ from ._tensors import torch_sparse_rows
 _INDEX_DTYPE = np.dtype("<i8")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class IndexedSlices:
-    """A sparse gradient: rows ``values[i]`` of a tensor at row ``indices[i]``."""
+    """A sparse gradient: rows ``values[i]`` of a tensor at row ``indices[i]``. Compared and
+    hashed by identity, as TF's (its fields are arrays, which have no single truth value)."""
 
     values: Any
     indices: Any
@@ -159,8 +160,11 @@ class SparseOps(AccumulatorModel):
                     )
         # the checks below allocate per index: refuse an impossible gradient before them
         check_payload_size(indices.size * _INDEX_DTYPE.itemsize, MAX_PAYLOAD_BYTES)
-        if indices.dtype == np.uint64 and indices.size and indices.max() > np.iinfo(np.int64).max:
-            i = int(np.argmax(indices > np.iinfo(np.int64).max))
+        # (compared as uint64: numpy < 2 compares a uint64 with a Python int as float64, where
+        # 2**63 - 1 and 2**63 are the same number)
+        int64_max = np.uint64(np.iinfo(np.int64).max)
+        if indices.dtype == np.uint64 and indices.size and indices.max() > int64_max:
+            i = int(np.argmax(indices > int64_max))
             raise InvalidArgumentError(
                 f"Shape mismatch: index of slice {i} is outside the int64 range: {indices[i]}"
             )

@@ -389,9 +389,16 @@ def tls_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, 
     if find_server_binary() is None or shutil.which("openssl") is None:
         pytest.skip("needs redis-server and openssl")
     d = tmp_path_factory.mktemp("tls")
-    (d / "ext").write_text("subjectAltName=IP:127.0.0.1\n")
+    # the extensions Python 3.13's strict verification (VERIFY_X509_STRICT) asks of a CA and
+    # of the certificates it signs
+    (d / "ext").write_text(
+        "subjectAltName=IP:127.0.0.1\nkeyUsage=critical,digitalSignature,keyEncipherment\n"
+        "extendedKeyUsage=serverAuth\nsubjectKeyIdentifier=hash\n"
+        "authorityKeyIdentifier=keyid,issuer\n"
+    )
     for cmd in (
-        "req -x509 -newkey rsa:2048 -nodes -keyout ca.key -out ca.pem -days 1 -subj /CN=test-ca",
+        "req -x509 -newkey rsa:2048 -nodes -keyout ca.key -out ca.pem -days 1 -subj /CN=test-ca "
+        "-addext basicConstraints=critical,CA:TRUE -addext keyUsage=critical,keyCertSign,cRLSign",
         "req -newkey rsa:2048 -nodes -keyout server.key -out server.csr -subj /CN=127.0.0.1",
         "x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial -out server.pem "
         "-days 1 -extfile ext",
