@@ -4,6 +4,7 @@ cluster: ``_routing``.)"""
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import inspect
 import logging
@@ -216,6 +217,21 @@ class Connections:
 
     def close(self) -> None:
         """Release this share (once); the pools close with the last share."""
+        _release_deferred()
+        self._close()
+
+    def close_collected(self) -> None:
+        """:meth:`close` for a finalizer, which runs wherever the garbage collector does:
+        inside :func:`connect` on the thread holding its lock, say (waiting for the lock
+        there was a deadlock, seen on Python 3.13). When the lock is held, the share is
+        released by the next connect() or close() instead, or at exit."""
+        if not _LOCK.acquire(blocking=False):
+            _DEFERRED.append(self)  # (list.append: safe in a finalizer)
+            return
+        _LOCK.release()
+        self._close()
+
+    def _close(self) -> None:
         if not release(self, _SHARED, _LOCK):
             return
         for client in (self.blocking, self.commands):
@@ -253,6 +269,21 @@ class _Entry:
 #: accumulator is one user; closing it releases its share.
 _SHARED: dict[object, _Entry] = {}
 _LOCK = threading.Lock()
+#: Shares let go of by a finalizer while the lock was held (see Connections.close_collected)
+_DEFERRED: list[Connections] = []
+
+
+def _release_deferred() -> None:
+    """Release the shares whose finalizer found the lock held (never called holding it)."""
+    while _DEFERRED:
+        try:
+            share = _DEFERRED.pop()
+        except IndexError:  # another thread took the last one
+            return
+        share._close()
+
+
+atexit.register(_release_deferred)
 
 
 def _pool_kwargs(pool: Any) -> dict[str, Any]:
@@ -485,6 +516,7 @@ def connect(client: Client, retry_window: float = RETRY_WINDOW) -> Connections:
     commands, capped like the client's own, and one for blocking waits (a taker waiting holds
     one connection of it); each holds a share until it is closed.
     """
+    _release_deferred()
     if client is None:
         client = default_url()
     if isinstance(client, str):

@@ -57,14 +57,26 @@ def leave(client: redis.Redis, keys: Keys, taker: str, schema: int = SCHEMA_VERS
     return int(_scripts.call(client, call.name, call.keys, call.args))
 
 
-def _delete_keys(conns: Connections, keys: Keys, identities: Identities, pid: int) -> None:
+def _let_go(
+    conns: Connections, private: tuple[Keys, Identities, int] | None, *, collected: bool = False
+) -> None:
+    """Release an accumulator's share of the connections, a private one's keys deleted
+    first: at close(), or (``collected``) from its finalizer, wherever the garbage collector
+    runs it."""
     try:
-        if os.getpid() == pid:  # (a forked child's copy: its creator's keys stay)
-            _private.run(conns.commands, _private.delete_ops(keys, list(identities.client_ids)))
+        if private is not None:
+            keys, identities, pid = private
+            if os.getpid() == pid:  # (a forked child's copy: its creator's keys stay)
+                _private.run(conns.commands,
+                             _private.delete_ops(keys, list(identities.client_ids)))  # fmt: skip
     except Exception:  # noqa: BLE001 - best effort at close/finalize time (the keys expire)
-        logger.debug("could not delete private accumulator %s", keys.base, exc_info=True)
+        base = private[0].base if private is not None else "?"
+        logger.debug("could not delete private accumulator %s", base, exc_info=True)
     finally:
-        conns.close()
+        if collected:
+            conns.close_collected()
+        else:
+            conns.close()
 
 
 class AccumulatorBase(AccumulatorModel):
@@ -104,12 +116,8 @@ class AccumulatorBase(AccumulatorModel):
         except BaseException:
             self._conns.close()  # its share of the pools
             raise
-        self._finalizer = (
-            weakref.finalize(self, _delete_keys, self._conns, self._keys, self._identities,
-                             self._pid)  # fmt: skip
-            if self._private
-            else weakref.finalize(self, self._conns.close)
-        )
+        private = (self._keys, self._identities, self._pid) if self._private else None
+        self._finalizer = weakref.finalize(self, _let_go, self._conns, private, collected=True)
 
     @property
     def redis(self) -> redis.Redis:
@@ -134,7 +142,9 @@ class AccumulatorBase(AccumulatorModel):
         if self._others_driving():
             logger.warning("closing %r with an operation still running after %gs",
                            self._shared_name, CLOSE_GRACE)  # fmt: skip
-        self._finalizer()
+        detached = self._finalizer.detach()
+        if detached is not None:  # (not closed before)
+            _let_go(*detached[2])
 
     def _cut_waits(self, cut: set[int]) -> None:
         """Break the waits in progress not cut yet (their ids in ``cut``)."""

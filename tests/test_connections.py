@@ -74,6 +74,45 @@ def test_accumulators_of_one_client_or_url_share_one_pool(real_url: str) -> None
             acc.close()
 
 
+@pytest.mark.parametrize("private", [False, True], ids=["named", "private"])
+def test_an_accumulator_collected_while_its_thread_holds_the_shares_lock(
+    target, private: bool
+) -> None:
+    """The garbage collector runs a finalizer wherever it runs: inside connect(), on the
+    thread holding the lock of the shared clients (seen on Python 3.13: the suite hung,
+    the finalizer waiting for the lock its own thread held). Its share is released by the
+    next connect() instead; a private accumulator's keys are deleted at once."""
+    import gc
+
+    url = target.client()
+    keep = accumulator.ConditionalAccumulator(np.float32, (3,), shared_name="keep", client=url)
+    name = None if private else "gone"
+    acc = accumulator.ConditionalAccumulator(np.float32, (3,), shared_name=name, client=url)
+    acc.apply_grad(np.ones(3, np.float32))
+    key, base = keep._conns._key, acc._keys.base
+    entry = _connection._SHARED[key]
+    users = entry.users
+    ended = threading.Event()
+
+    def collect_holding_the_lock() -> None:
+        nonlocal acc
+        with _connection._LOCK:
+            del acc
+            gc.collect()
+        ended.set()
+
+    threading.Thread(target=collect_holding_the_lock, daemon=True).start()
+    assert ended.wait(10), "the finalizer deadlocked on the lock its own thread held"
+    assert entry.users == users and len(_connection._DEFERRED) == 1  # deferred
+    if private:
+        assert not list(target.redis().scan_iter(match=f"{base}*"))  # deleted at once
+    other = accumulator.ConditionalAccumulator(np.float32, (3,), shared_name="o", client=url)
+    assert _connection._DEFERRED == [] and entry.users == users  # released, "o" added
+    for a in (other, keep):
+        a.close()
+    assert entry.users == users - 2  # (another object of the session may hold a share)
+
+
 def test_max_connections_and_the_pool_class_are_kept(real_url: str) -> None:
     """50 accumulators from a client capped at 8 connections, used by 16 threads at once:
     the server sees about 8 connections for their commands, plus the ones blocking waits hold."""
