@@ -108,10 +108,18 @@ def test_a_round_is_not_given_back_into_a_round_of_another_shape(target, monkeyp
     assert acc.global_step() == 2
 
 
-# lua/apply.lua: `len ~= nbytes` (catches: only a missing part refused)
+# lua/apply.lua: `len ~= nbytes` (catches: only a missing part refused), and
+# lua/_common.lua entry_length: `(i < #keys and len ~= CHUNK)` (catches: dropped)
 
 
-def test_a_payload_whose_last_part_is_short_is_refused_and_its_parts_deleted(target):
+@pytest.mark.parametrize(
+    "shifts",
+    [{-1: -4}, {0: -4, -1: 4}],
+    ids=["last part short", "middle part short, total right"],
+)
+def test_a_payload_whose_parts_have_the_wrong_lengths_is_refused(target, shifts):
+    """Every part there, but the last one short, or the first one short and the last one
+    long by as much (the total right): refused, its parts deleted, nothing else changed."""
     shape = (3 * (1 << 20) // 4,)
     acc = make(target, shape=shape)
     r = target.redis()
@@ -120,8 +128,8 @@ def test_a_payload_whose_last_part_is_short_is_refused_and_its_parts_deleted(tar
     keys, args, parts = _parts_call(acc, nbytes)
     chunk = accumulator._chunks.CHUNK_BYTES
     for i, key in enumerate(parts):
-        length = min(chunk, nbytes - i * chunk) - (4 if i == len(parts) - 1 else 0)
-        r.set(key, b"\0" * length, px=3600_000)  # every part there, the last 4 bytes short
+        shift = shifts.get(i, shifts.get(i - len(parts), 0))
+        r.set(key, b"\0" * (min(chunk, nbytes - i * chunk) + shift), px=3600_000)
     with pytest.raises(accumulator.ResourceExhaustedError, match="not stored"):
         _scripts.call(acc.redis, "apply", keys, args)
     assert snapshot(r, acc._keys.pattern) == before
@@ -160,26 +168,6 @@ def test_a_refused_retry_of_a_counted_apply_keeps_the_payload_its_round_holds(ta
     r.delete(acc._keys.takers)
     assert acc.num_accumulated() == 1
     np.testing.assert_array_equal(acc.take_grad(1, timeout=5), np.full(shape, 2.0))
-
-
-# lua/_common.lua entry_length: `(i < #keys and len ~= CHUNK)` (catches: dropped)
-
-
-def test_a_payload_with_a_short_middle_part_is_refused_even_when_its_total_is_right(target):
-    shape = (3 * (1 << 20) // 4,)
-    acc = make(target, shape=shape)
-    r = target.redis()
-    before = snapshot(r, acc._keys.pattern)
-    nbytes = 3 << 20
-    keys, args, parts = _parts_call(acc, nbytes)
-    chunk = accumulator._chunks.CHUNK_BYTES
-    for i, key in enumerate(parts):  # part 0 four bytes short, the last four bytes long
-        shift = -4 if i == 0 else 4 if i == len(parts) - 1 else 0
-        length = min(chunk, nbytes - i * chunk) + shift
-        r.set(key, b"\0" * length, px=3600_000)
-    with pytest.raises(accumulator.ResourceExhaustedError, match="not stored"):
-        _scripts.call(acc.redis, "apply", keys, args)
-    assert snapshot(r, acc._keys.pattern) == before
 
 
 # lua/_common.lua round_holds: the claims' lists (catches: the pending round only)
