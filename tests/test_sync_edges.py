@@ -43,6 +43,17 @@ def _accumulated(ps) -> list[int]:
     return [ps._accs[n].num_accumulated() for n in ("w", "emb", "b")]
 
 
+def _resumed(target, job: str, caplog, step: int, warned: str) -> ParameterServer:
+    """A chief started again on ``job``: it resumes at ``step``, every accumulator there,
+    with a warning saying ``warned``."""
+    chief = ParameterServer(job, replicas_to_aggregate=1, sparse={"emb"}, client=target.client())
+    with caplog.at_level("WARNING", logger="accumulator.sync"):
+        assert chief.initialize(_params()) == step
+    assert warned in caplog.text
+    assert _steps(target, job) == {"w": step, "emb": step, "b": step}
+    return chief
+
+
 def test_an_accumulator_one_step_behind_the_published_step_is_aligned_on_resume(target, caplog):
     """C07: an accumulator exactly one step behind the published step (a server restart lost
     its take's step advance, or set by hand) is set to the published step and what it holds
@@ -54,12 +65,7 @@ def test_an_accumulator_one_step_behind_the_published_step_is_aligned_on_resume(
     ps._accs["w"].set_global_step(2)
     ps._accs["w"].apply_grad(np.ones((2, 3)), local_step=2)  # pushed at the older step
     ps.close()
-    chief = ParameterServer("behind1", replicas_to_aggregate=1, sparse={"emb"},
-                            client=target.client())  # fmt: skip
-    with caplog.at_level("WARNING", logger="accumulator.sync"):
-        assert chief.initialize(_params()) == 3
-    assert "behind the published step 3" in caplog.text
-    assert _steps(target, "behind1") == {"w": 3, "emb": 3, "b": 3}
+    chief = _resumed(target, "behind1", caplog, 3, "behind the published step 3")
     assert chief._accs["w"].num_accumulated() == 0
     chief.close()
 
@@ -73,12 +79,7 @@ def test_accumulators_two_steps_ahead_are_skipped_to_on_resume(target, caplog):
     ps.initialize(_params())
     ps._accs["w"].set_global_step(2)
     ps.close()
-    chief = ParameterServer("ahead2", replicas_to_aggregate=1, sparse={"emb"},
-                            client=target.client())  # fmt: skip
-    with caplog.at_level("WARNING", logger="accumulator.sync"):
-        assert chief.initialize(_params()) == 2
-    assert "the rounds in between are skipped" in caplog.text
-    assert _steps(target, "ahead2") == {"w": 2, "emb": 2, "b": 2}
+    chief = _resumed(target, "ahead2", caplog, 2, "the rounds in between are skipped")
     worker = Worker("ahead2", client=target.client())
     step, params = worker.pull(timeout=5)
     assert step == 2
