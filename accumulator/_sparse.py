@@ -36,6 +36,9 @@ from ._take import Cancel, take
 from ._tensors import torch_sparse_rows
 
 _INDEX_DTYPE = np.dtype("<i8")
+#: int64's largest value as a uint64 (numpy < 2 compares a uint64 with a Python int as
+#: float64, where 2**63 - 1 and 2**63 are the same number)
+_INT64_MAX_U64 = np.uint64(np.iinfo(np.int64).max)
 
 
 @dataclass(frozen=True, eq=False)
@@ -160,11 +163,8 @@ class SparseOps(AccumulatorModel):
                     )
         # the checks below allocate per index: refuse an impossible gradient before them
         check_payload_size(indices.size * _INDEX_DTYPE.itemsize, MAX_PAYLOAD_BYTES)
-        # (compared as uint64: numpy < 2 compares a uint64 with a Python int as float64, where
-        # 2**63 - 1 and 2**63 are the same number)
-        int64_max = np.uint64(np.iinfo(np.int64).max)
-        if indices.dtype == np.uint64 and indices.size and indices.max() > int64_max:
-            i = int(np.argmax(indices > int64_max))
+        if indices.dtype == np.uint64 and indices.size and indices.max() > _INT64_MAX_U64:
+            i = int(np.argmax(indices > _INT64_MAX_U64))
             raise InvalidArgumentError(
                 f"Shape mismatch: index of slice {i} is outside the int64 range: {indices[i]}"
             )
