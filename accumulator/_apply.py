@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 from redis.exceptions import ResponseError
 
-from . import _chunks, _model, _scripts
+from . import _chunks, _identities, _model, _scripts
 from ._codec import to_payload
 from ._durability import Durability
 from ._errors import (
@@ -28,6 +28,7 @@ from ._errors import (
     SchemaVersionError,
     UnavailableError,
 )
+from ._identities import DEDUP_TTL_MS
 from ._model import AccumulatorModel
 from ._requests import Batch, Call, Command, Ops
 
@@ -49,10 +50,10 @@ def apply(
             f"gradient of {nbytes} bytes exceeds the {_model.MAX_PAYLOAD_BYTES} byte limit of "
             "one payload; split the parameter into several accumulators"
         )
-    key = _model.ApplyKey(local_step, shape_token, first_error, nbytes)
+    key = _identities.ApplyKey(local_step, shape_token, first_error, nbytes)
     if acc._identities.holding:  # an earlier apply of unknown outcome: settled first
         yield from settle_held(acc)  # (raises, nothing sent, while Redis is unreachable)
-        counted = acc._identities.outcome(key, lambda: _model.apply_fingerprint(key, payload))
+        counted = acc._identities.outcome(key, lambda: _identities.apply_fingerprint(key, payload))
         if counted is not None:  # this is that apply, made again
             logger.info("apply_grad on %r: the apply that raised UnavailableError, made again: "
                         "%s", acc._shared_name, "it was counted, and is not sent again"
@@ -80,10 +81,10 @@ def apply(
     except BaseException as exc:
         if isinstance(exc, UnavailableError) and not isinstance(exc, NotDurableError):
             # Redis may still run the copy it received: the outcome is unknown. The identity
-            # is held (see _model.Identities): the object's next apply settles it first, and
+            # is held (see _identities.Identities): the object's next apply settles it first, and
             # the same apply made again is then counted once.
             held = True
-            acc._identities.hold(ident, _model.apply_fingerprint(key, payload), key)
+            acc._identities.hold(ident, _identities.apply_fingerprint(key, payload), key)
         elif nbytes > _model.INLINE_MAX_BYTES and not acc.spreads_parts:
             yield from _withdraw(acc, ident.client_id, ident.seq, nbytes)
         elif spread and isinstance(exc, _REFUSED):
@@ -154,7 +155,7 @@ def _send(
     inline = nbytes <= _model.INLINE_MAX_BYTES
     spread = not inline and acc.spreads_parts
     args = [acc._schema, seq, local_step, shape_token, "i" if inline else "d" if spread else "p",
-            b"i" + payload if inline else b"", nbytes, _model.DEDUP_TTL_MS,
+            b"i" + payload if inline else b"", nbytes, DEDUP_TTL_MS,
             first_error, acc._instance]  # fmt: skip
     durability = acc._durability()
     if inline and durability is None:
@@ -232,7 +233,7 @@ def settle_held(acc: AccumulatorModel) -> Ops[None]:
         try:
             judged = int((yield Call("apply_grad (settling an earlier apply)", "withdraw",
                                      [k.state, k.dedup(cid), k.blob(cid, seq)],
-                                     [seq, ident.key.nbytes, _model.DEDUP_TTL_MS])))  # fmt: skip
+                                     [seq, ident.key.nbytes, DEDUP_TTL_MS])))  # fmt: skip
         except ConnectionError:  # (UnavailableError too: Redis unreachable) still held
             raise
         except Exception:  # noqa: BLE001 - the new apply is what the caller asked for

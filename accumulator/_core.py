@@ -25,8 +25,9 @@ from ._cluster_batch import by_node_batch, each, is_script, on_node, per_node
 from ._connection import CLOSE_GRACE, CLUSTER_WAIT_SLICE, Client, Connections, connect
 from ._direct import execute_batch, pooled
 from ._errors import CancelledError
+from ._identities import Identities
 from ._keys import SCHEMA_VERSION, Keys
-from ._model import AccumulatorModel, Identities, server_of
+from ._model import AccumulatorModel, server_of
 from ._requests import (
     Batch,
     Call,

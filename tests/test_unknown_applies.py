@@ -546,15 +546,15 @@ def test_applies_after_a_settle_read_no_payload_unless_they_look_like_the_held_o
 ):
     """The outcome is kept 10 minutes; hashing every later payload meanwhile (64 MiB: ~0.1 s)
     would slow the training loop down: only one of the same step, shapes and size is hashed."""
-    from accumulator import _model
+    from accumulator import _identities
 
     acc = make(target)
     LostApplies(acc, ran=True)
     with pytest.raises(accumulator.UnavailableError):
         acc.apply_grad(np.ones(SMALL), local_step=0)
     hashed = []
-    real = _model.apply_fingerprint
-    monkeypatch.setattr(_model, "apply_fingerprint", lambda *a: hashed.append(1) or real(*a))
+    real = _identities.apply_fingerprint
+    monkeypatch.setattr(_identities, "apply_fingerprint", lambda *a: hashed.append(1) or real(*a))
     for step in (1, 2, 3):  # (later steps: nothing like the held one)
         assert acc.apply_grad(np.full(SMALL, 2.0), local_step=step) is True
     assert hashed == [] and acc._identities.holding
