@@ -23,7 +23,8 @@ from redis.exceptions import RedisClusterException
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
-from ._connection import TLSConnection, new_cluster, sentinel_client
+from ._cluster_client import new_cluster
+from ._connection import TLSConnection, sentinel_client
 from ._redact import redact_url, scrub, url_secrets
 from ._urls import cluster_url, scheme_problem
 

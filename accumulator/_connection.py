@@ -1,31 +1,31 @@
 """Redis connections: explicit timeouts and retries, a packer that does not copy big values,
-and a separate pool for blocking waits. (URLs and their settings: ``_urls``; routing on a
+and a separate pool for blocking waits. (URLs and their settings: ``_urls``; the packer:
+``_packer``; shared clients: ``_shares``; cluster clients: ``_cluster_client``; routing on a
 cluster: ``_routing``.)"""
 
 from __future__ import annotations
 
-import atexit
 import hashlib
 import inspect
 import logging
-import re
-import threading
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, TypeAlias, cast
+from typing import Any, TypeAlias
 
 import redis
-from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
+from redis.backoff import ExponentialWithJitterBackoff
 from redis.cluster import RedisCluster
-from redis.connection import AbstractConnection, PythonRespSerializer
-from redis.exceptions import AskError, NoPermissionError, OutOfMemoryError, RedisClusterException
+from redis.connection import AbstractConnection
+from redis.exceptions import AskError, NoPermissionError, OutOfMemoryError
 from redis.retry import Retry
 from redis.sentinel import SentinelConnectionPool
 
 from . import _retry as retrying
-from ._errors import FailedPreconditionError, PermissionDeniedError
+from ._cluster_client import cluster_client
+from ._errors import PermissionDeniedError
+from ._packer import _PACKER
 from ._retry import RETRY_WINDOW
 from ._routing import raise_slot_moving
+from ._shares import _LOCK, _SHARED, Connections, _Entry, _release_deferred
 from ._urls import (
     CONNECT_TIMEOUT,
     LOGIN_REFUSED,
@@ -83,10 +83,6 @@ def cluster_timeouts(source: Any) -> tuple[Any, float, float]:
     timeout = seconds or SOCKET_TIMEOUT
     return source, timeout, blocking_timeout(timeout, CLUSTER_WAIT_SLICE)
 
-#: Above this size an argument is sent as its own buffer (no copy into one command buffer).
-_BIG_ARG = 64 * 1024
-
-
 def retry_extras(retry_class: Any) -> int:
     """How many of (is_retryable, with_failure_count) ``retry_class.call_with_retry`` takes
     (redis-py's synchronous one: none before 7.0, is_retryable from 7.0, both from 8.0; its
@@ -134,156 +130,11 @@ def _retry() -> Retry:
                   supported_errors=RETRIED_BY_REDIS_PY)  # fmt: skip
 
 
-def cluster_retry() -> Retry:
-    """A cluster client's own retries: none. It refreshes its slot map at a fault and
-    follows MOVED/ASK itself, then the fault goes to our retry window (``_retry.py``), the
-    one policy. Its default retried every fault, timeouts too, three times with a slot-map
-    refresh each: a frozen primary held an apply ~11 socket timeouts per try of the window
-    (22 s with a 1 s socket timeout and ``retry_window=1``; ~11 minutes with the default)."""
-    return Retry(NoBackoff(), retries=0)
-
-
 def _retry_settings() -> dict[str, Any]:
     """Our retries for a pool built from a client's settings: the client's own ``retry`` and
     ``retry_on_error`` replaced (redis-py's default Retry retries timeouts too, ten times: a
     frozen server held a call for 15 socket timeouts whatever the retry window)."""
     return {"retry": _retry(), "retry_on_error": list(RETRIED_BY_REDIS_PY)}
-
-
-def _encode(value: Any) -> bytes | memoryview:
-    if isinstance(value, (bytes, memoryview)):
-        return value
-    if isinstance(value, bytearray):
-        return memoryview(value)
-    if isinstance(value, str):
-        return value.encode()
-    if isinstance(value, (int, float)):
-        return repr(value).encode()
-    raise redis.DataError(f"cannot send {type(value).__name__} to Redis")
-
-
-class _Packer:
-    """hiredis's packer for small commands, redis-py's pure-Python one for big values.
-
-    hiredis copies every argument into one buffer (3-5x slower than a plain socket send from
-    1 MiB up); the Python packer sends big arguments as separate buffers.
-    """
-
-    def __init__(self) -> None:
-        self._python = PythonRespSerializer(_BIG_ARG, _encode)
-        self._hiredis: Any = None
-        try:
-            import hiredis
-            from redis.connection import HiredisRespSerializer
-
-            self._small: Any = HiredisRespSerializer()
-            self._hiredis = hiredis.pack_command
-        except ImportError:
-            self._small = self._python
-
-    def pack(self, *args: Any) -> list[bytes | memoryview]:
-        for arg in args:
-            if isinstance(arg, (bytes, bytearray, memoryview)) and len(arg) > _BIG_ARG:
-                if isinstance(arg, memoryview) and arg.format != "B":
-                    raise redis.DataError("memoryviews must be cast to bytes ('B')")
-                return cast("list[bytes | memoryview]", self._python.pack(*args))
-        head = args[0]
-        if self._hiredis is not None and type(head) is str and " " not in head:
-            # hiredis packs str, bytes, int, float and memoryviews itself: redis-py's wrapper
-            # (a copy of every argument into a new tuple) costs as much as the packing
-            try:
-                return [self._hiredis(args)]
-            except TypeError:
-                pass  # a bytearray, say: redis-py's wrapper converts it (or says why not)
-        return cast("list[bytes | memoryview]", self._small.pack(*args))
-
-
-_PACKER = _Packer()
-#: A command packed as the synchronous connections pack it (hiredis for small commands, big
-#: values as their own pieces): the asyncio driver's packer too (redis.asyncio packs in Python).
-pack = _PACKER.pack
-
-
-@dataclass
-class Connections:
-    """The two clients one accumulator object uses: shared with every accumulator opened from
-    the same client object or URL string (see :func:`connect`), each holding a share. No URL is
-    kept in them (it may hold a password); the pools' own settings are redis-py's business."""
-
-    commands: redis.Redis  # scripts, payload writes and reads
-    blocking: redis.Redis  # BLPOP waits only; its socket timeout outlasts one wait slice
-    _key: object = None  # its entry in the registry of shared clients (None: not shared)
-    _released: bool = False
-
-    def close(self) -> None:
-        """Release this share (once); the pools close with the last share."""
-        _release_deferred()
-        self._close()
-
-    def close_collected(self) -> None:
-        """:meth:`close` for a finalizer, which runs wherever the garbage collector does:
-        inside :func:`connect` on the thread holding its lock, say (waiting for the lock
-        there was a deadlock, seen on Python 3.13). When the lock is held, the share is
-        released by the next connect() or close() instead, or at exit."""
-        if not _LOCK.acquire(blocking=False):
-            _DEFERRED.append(self)  # (list.append: safe in a finalizer)
-            return
-        _LOCK.release()
-        self._close()
-
-    def _close(self) -> None:
-        if not release(self, _SHARED, _LOCK):
-            return
-        for client in (self.blocking, self.commands):
-            client.close()  # a client given its pool leaves the pool open: close that too
-            pool = getattr(client, "connection_pool", None)  # a cluster client has none
-            if pool is not None:
-                pool.disconnect()
-
-
-def release(share: Any, registry: dict[object, Any], lock: threading.Lock) -> bool:
-    """Release one share (``_key``, ``commands``, ``_released``) of the shared clients in
-    ``registry`` (once): True when it was the last, and the clients are to be closed."""
-    with lock:
-        if share._released:
-            return False
-        share._released = True
-        entry = registry.get(share._key) if share._key is not None else None
-        if entry is not None and entry.commands is share.commands:
-            entry.users -= 1
-            if entry.users > 0:
-                return False
-            del registry[share._key]
-    return True
-
-
-@dataclass
-class _Entry:
-    commands: redis.Redis
-    blocking: redis.Redis
-    users: int
-    origin: object  # the user's pool (kept alive: its id is part of the key); None for a URL
-
-
-#: Shared clients: ("pool", id of a user's pool) or ("url", SHA-256 of the URL) -> entry. An
-#: accumulator is one user; closing it releases its share.
-_SHARED: dict[object, _Entry] = {}
-_LOCK = threading.Lock()
-#: Shares let go of by a finalizer while the lock was held (see Connections.close_collected)
-_DEFERRED: list[Connections] = []
-
-
-def _release_deferred() -> None:
-    """Release the shares whose finalizer found the lock held (never called holding it)."""
-    while _DEFERRED:
-        try:
-            share = _DEFERRED.pop()
-        except IndexError:  # another thread took the last one
-            return
-        share._close()
-
-
-atexit.register(_release_deferred)
 
 
 def _pool_kwargs(pool: Any) -> dict[str, Any]:
@@ -412,41 +263,6 @@ def twin_client(client: Any) -> redis.Redis:
     return redis.Redis(connection_pool=new_pool)
 
 
-def twin_cluster(client: Any) -> RedisCluster:
-    """A redis-py cluster client of the cluster that a ``redis.asyncio.cluster.RedisCluster``
-    talks to: its nodes (those it knows, else its start-up nodes) and credentials."""
-    from redis.cluster import ClusterNode
-
-    nodes = client.get_nodes() or list(client.nodes_manager.startup_nodes.values())
-    kwargs = node_settings(client.connection_kwargs)
-    return RedisCluster(startup_nodes=[ClusterNode(n.host, n.port) for n in nodes], **kwargs)
-
-
-def tls_settings(connection_kwargs: dict[str, Any], target: Any) -> dict[str, Any]:
-    """The TLS settings among a client's connection settings that ``target`` (a client class)
-    takes: every ``ssl_*`` one it has a parameter for (CA, certificate, host name check,
-    minimum version, ...), and ``ssl=True`` when they name a TLS connection class (how
-    redis-py's asyncio clients record ``ssl=True``)."""
-    params = inspect.signature(target).parameters
-    out = {k: v for k, v in connection_kwargs.items() if k.startswith("ssl") and k in params}
-    if "SSL" in getattr(connection_kwargs.get("connection_class"), "__name__", ""):
-        out["ssl"] = True
-    if "ssl" not in params:
-        out.pop("ssl", None)
-    return out
-
-
-def node_settings(connection_kwargs: dict[str, Any]) -> dict[str, Any]:
-    """What a client of one node needs from an asyncio cluster client's connection settings:
-    credentials, timeouts, name, protocol, and TLS (all of it)."""
-    from redis.asyncio import Redis as AsyncRedis
-
-    kwargs = {k: v for k, v in connection_kwargs.items()
-              if k in ("username", "password", "client_name", "protocol", "socket_timeout",
-                       "socket_connect_timeout")}  # fmt: skip
-    return {**kwargs, **tls_settings(connection_kwargs, AsyncRedis)}
-
-
 def _is_valkey(client: object) -> bool:
     kind = type(client)
     return kind.__module__.split(".")[0] == "valkey" and kind.__name__ in ("Valkey", "StrictValkey")
@@ -554,88 +370,6 @@ def connect(client: Client, retry_window: float = RETRY_WINDOW) -> Connections:
 Client: TypeAlias = "redis.Redis | RedisCluster | str | None"
 
 
-def new_cluster(make: Callable[[], RedisCluster]) -> RedisCluster:
-    """``make()``, a cluster client's constructor (which connects, to learn the nodes), its
-    failure said our way (:func:`~accumulator._retry.cluster_error`: no node reachable is a
-    ``redis.ConnectionError``, retried as any other)."""
-    try:
-        return make()
-    except RedisClusterException as exc:
-        ours = retrying.cluster_error(exc)
-        if ours is exc:
-            raise
-        raise ours from exc
-
-
-#: The oldest redis-py whose cluster client does what ours needs: transactions on one slot
-#: (MULTI/EXEC through its pipeline) with their replies parsed, and pub/sub.
-CLUSTER_REDIS_PY = (8, 0)
-
-
-def require_cluster_client() -> None:
-    """:class:`FailedPreconditionError` when this redis-py is too old for a Redis Cluster
-    (5.x's cluster pipeline refuses transactions, 6.0's cluster client has no pub/sub for the
-    sync helper, and up to 7.x a cluster transaction's replies come back unparsed): said at
-    the connection, not as a confusing failure in the middle of a take."""
-    version = tuple(int(x) for x in re.findall(r"\d+", redis.__version__)[:2])
-    if version < CLUSTER_REDIS_PY:
-        raise FailedPreconditionError(
-            f"Redis Cluster needs redis-py >= {'.'.join(map(str, CLUSTER_REDIS_PY))} (this "
-            f"is {redis.__version__}); plain servers and Sentinel work from 5.3: "
-            f"pip install -U 'redis>={'.'.join(map(str, CLUSTER_REDIS_PY))}'"
-        )
-
-
-def _cluster(client: RedisCluster | str, socket_timeout: float) -> Any:
-    """A cluster client like the one given (its nodes, credentials and TLS; a URL's), that
-    replies bytes, with our timeouts and retries."""
-    require_cluster_client()
-    settings: dict[str, Any] = dict(decode_responses=False, socket_timeout=socket_timeout,
-                                    socket_connect_timeout=CONNECT_TIMEOUT,
-                                    retry=cluster_retry())  # fmt: skip
-    if isinstance(client, str):
-        url = client
-        return _zero_copy_nodes(new_cluster(lambda: RedisCluster.from_url(url, **settings)))
-    from redis.cluster import ClusterNode
-
-    given = client.nodes_manager.connection_kwargs
-    kwargs: dict[str, Any] = {k: v for k, v in given.items()
-              if k in ("username", "password", "client_name", "protocol",
-                       "max_connections")}  # fmt: skip
-    kwargs.update(tls_settings(given, redis.Redis))  # (what RedisCluster passes on to nodes)
-    nodes = [ClusterNode(n.host, n.port) for n in client.get_nodes()]
-    return _zero_copy_nodes(
-        new_cluster(lambda: RedisCluster(startup_nodes=nodes, **kwargs, **settings))
-    )
-
-
-def _zero_copy_nodes(client: RedisCluster) -> RedisCluster:
-    """Our packer (big values sent from the caller's buffer, uncopied) on the connections of
-    every node of our own cluster client, those it knows and those it meets later. redis-py's
-    cluster client has no option for it: its node factory is wrapped (a redis-py without one
-    keeps its own packer, which copies)."""
-    manager = client.nodes_manager
-    create = getattr(manager, "create_redis_node", None)
-    if create is None:
-        return client
-
-    def create_with_packer(*args: Any, **kwargs: Any) -> redis.Redis:
-        node: redis.Redis = create(*args, **kwargs)
-        node.connection_pool.connection_kwargs["command_packer"] = _PACKER  # no connection yet
-        return node
-
-    manager.create_redis_node = create_with_packer  # type: ignore[method-assign]
-    for node in client.get_nodes():
-        if node.redis_connection is not None:
-            pool = node.redis_connection.connection_pool
-            pool.connection_kwargs["command_packer"] = _PACKER
-            # connections made from here on use it: the ones it has (the slot map's first
-            # query) are closed and dropped, not kept with redis-py's packer
-            pool.disconnect()
-            pool.reset()
-    return client
-
-
 def sentinel_client(url: str, **extra: Any) -> redis.Redis | None:
     """The Sentinel-managed client of a ``redis+sentinel://`` URL (:func:`sentinel_parts`),
     else None. No I/O. ``extra``: more options of the primary's connections (the CLI's
@@ -659,9 +393,9 @@ def _new(client: Any) -> tuple[redis.Redis, redis.Redis]:
     plain = cluster_url(client) if isinstance(client, str) else None
     if plain is not None or isinstance(client, RedisCluster):
         source, timeout, waits = cluster_timeouts(plain or client)
-        commands = _cluster(source, timeout)
+        commands = cluster_client(source, timeout)
         try:
-            return commands, _cluster(source, waits)
+            return commands, cluster_client(source, waits)
         except BaseException:
             commands.close()
             raise

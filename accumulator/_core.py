@@ -22,7 +22,7 @@ from redis.exceptions import NoScriptError, ResponseError
 
 from . import _private, _retry, _scripts, _take
 from ._cluster_batch import by_node_batch, each, is_script, on_node, per_node
-from ._connection import CLOSE_GRACE, CLUSTER_WAIT_SLICE, Client, Connections, connect
+from ._connection import CLOSE_GRACE, CLUSTER_WAIT_SLICE, Client, connect
 from ._direct import execute_batch, pooled
 from ._errors import CancelledError
 from ._identities import Identities
@@ -43,6 +43,7 @@ from ._requests import (
     advance,
 )
 from ._routing import is_cluster, is_redirect, moved_error
+from ._shares import Connections
 from ._wire import get_all_into, get_into
 
 logger = logging.getLogger("accumulator")

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import accumulator
-from accumulator import _connection
+from accumulator import _cluster_client
 
 #: Keep in step with pyproject.toml's ``redis>=`` (and with CLUSTER_REDIS_PY for the cluster).
 OLDEST = "5.3.1"
@@ -129,4 +129,4 @@ def test_a_cluster_with_a_redis_py_too_old_for_it_is_refused_at_the_connection(
     with pytest.raises(accumulator.FailedPreconditionError, match=r"redis-py >= 8\.0"):
         asyncio.run(main())
     monkeypatch.setattr(redis, "__version__", "8.0.0")
-    _connection.require_cluster_client()  # no error
+    _cluster_client.require_cluster_client()  # no error

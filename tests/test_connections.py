@@ -16,7 +16,7 @@ import redis
 from _helpers import Taker
 
 import accumulator
-from accumulator import _connection, _routing, _urls
+from accumulator import _cluster_client, _routing, _shares, _urls
 from accumulator.sync import Worker
 from accumulator.testing import RedisServer, find_server_binary
 
@@ -66,7 +66,7 @@ def test_accumulators_of_one_client_or_url_share_one_pool(real_url: str) -> None
         _round(b)  # closing one leaves the shared pools open for the others
         pool = b._conns.commands.connection_pool
         b.close()
-        assert a._conns._key not in _connection._SHARED  # the last one closed them
+        assert a._conns._key not in _shares._SHARED  # the last one closed them
         assert all(c._sock is None for c in pool._available_connections)  # type: ignore[attr-defined]
         _round(d)
     finally:
@@ -90,24 +90,24 @@ def test_an_accumulator_collected_while_its_thread_holds_the_shares_lock(
     acc = accumulator.ConditionalAccumulator(np.float32, (3,), shared_name=name, client=url)
     acc.apply_grad(np.ones(3, np.float32))
     key, base = keep._conns._key, acc._keys.base
-    entry = _connection._SHARED[key]
+    entry = _shares._SHARED[key]
     users = entry.users
     ended = threading.Event()
 
     def collect_holding_the_lock() -> None:
         nonlocal acc
-        with _connection._LOCK:
+        with _shares._LOCK:
             del acc
             gc.collect()
         ended.set()
 
     threading.Thread(target=collect_holding_the_lock, daemon=True).start()
     assert ended.wait(10), "the finalizer deadlocked on the lock its own thread held"
-    assert entry.users == users and len(_connection._DEFERRED) == 1  # deferred
+    assert entry.users == users and len(_shares._DEFERRED) == 1  # deferred
     if private:
         assert not list(target.redis().scan_iter(match=f"{base}*"))  # deleted at once
     other = accumulator.ConditionalAccumulator(np.float32, (3,), shared_name="o", client=url)
-    assert _connection._DEFERRED == [] and entry.users == users  # released, "o" added
+    assert _shares._DEFERRED == [] and entry.users == users  # released, "o" added
     for a in (other, keep):
         a.close()
     assert entry.users == users - 2  # (another object of the session may hold a share)
@@ -373,17 +373,17 @@ def test_every_tls_setting_of_a_cluster_client_is_kept() -> None:
 
     given = {"host": "h", "ssl": True, "ssl_ca_certs": "ca.pem", "ssl_check_hostname": False,
              "ssl_ca_data": "PEM", "ssl_cert_reqs": "required", "ssl_unknown_to_redis_py": 1}
-    assert _connection.tls_settings(given, redis.Redis) == {
+    assert _cluster_client.tls_settings(given, redis.Redis) == {
         "ssl": True, "ssl_ca_certs": "ca.pem", "ssl_check_hostname": False,
         "ssl_ca_data": "PEM", "ssl_cert_reqs": "required",
     }  # fmt: skip
     aio = {"connection_class": SSLConnection, "ssl_ca_certs": "ca.pem",
            "ssl_check_hostname": False, "password": "pw"}  # fmt: skip
     want = {"ssl": True, "ssl_ca_certs": "ca.pem", "ssl_check_hostname": False}
-    assert _connection.tls_settings(aio, AsyncRedisCluster) == want
-    assert _connection.node_settings(aio) == {**want, "password": "pw"}
-    assert _connection.tls_settings({"ssl_ca_certs": "x"}, AsyncRedis) == {"ssl_ca_certs": "x"}
-    assert _connection.tls_settings({"host": "h"}, redis.Redis) == {}
+    assert _cluster_client.tls_settings(aio, AsyncRedisCluster) == want
+    assert _cluster_client.node_settings(aio) == {**want, "password": "pw"}
+    assert _cluster_client.tls_settings({"ssl_ca_certs": "x"}, AsyncRedis) == {"ssl_ca_certs": "x"}
+    assert _cluster_client.tls_settings({"host": "h"}, redis.Redis) == {}
 
 
 @pytest.mark.parametrize("path", ["/1", "/abc"])

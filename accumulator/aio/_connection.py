@@ -23,19 +23,12 @@ from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
 from redis.exceptions import ResponseError
 
 from .. import _scripts
-from .._connection import (
-    blocking_timeout,
-    cluster_timeouts,
-    node_settings,
-    pack,
-    release,
-    require_cluster_client,
-    retry_extras,
-    sentinel_pool_like,
-    tls_settings,
-)
+from .._cluster_client import node_settings, require_cluster_client, tls_settings
+from .._connection import blocking_timeout, cluster_timeouts, retry_extras, sentinel_pool_like
 from .._direct import as_pipeline_reply, direct, direct_pool
+from .._packer import pack
 from .._routing import raise_first_error
+from .._shares import release
 from .._urls import (
     CONNECT_TIMEOUT,
     LOGIN_REFUSED,
@@ -247,7 +240,7 @@ async def _send_pieces(conn: Any, pieces: list[Any]) -> None:
 
 
 def _packed(commands: Sequence[Sequence[Any]]) -> list[Any]:
-    """The pieces of a batch, as :func:`accumulator._connection.pack` packs each command; the
+    """The pieces of a batch, as :func:`accumulator._packer.pack` packs each command; the
     small commands' packed bytes joined (one piece when none has a big value)."""
     pieces: list[Any] = []
     small: list[bytes] = []
@@ -301,7 +294,7 @@ def _cluster(client: Any, socket_timeout: float) -> Any:
     """An asyncio cluster client like the one given (its nodes and credentials; a URL's),
     replying bytes, with our timeouts."""
     require_cluster_client()
-    # no retries of its own (as the synchronous cluster clients': _connection.cluster_retry)
+    # no retries of its own (as the synchronous cluster clients': _cluster_client.cluster_retry)
     settings: dict[str, Any] = dict(decode_responses=False, socket_timeout=socket_timeout,
                                     socket_connect_timeout=CONNECT_TIMEOUT,
                                     retry=Retry(NoBackoff(), retries=0))  # fmt: skip

@@ -7,7 +7,8 @@ from __future__ import annotations
 import asyncio
 
 from .. import _admin, _functions
-from .._connection import Client, twin_client, twin_cluster
+from .._cluster_client import twin_cluster
+from .._connection import Client, twin_client
 from ._connection import AsyncClient, _check_client
 
 

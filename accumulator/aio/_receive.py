@@ -20,7 +20,8 @@ from typing import Any
 import redis
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 
-from .._connection import twin_client, twin_cluster
+from .._cluster_client import twin_cluster
+from .._connection import twin_client
 from .._requests import Receive, ReceiveAll
 from .._wire import get_all_into, get_into
 
