@@ -458,12 +458,12 @@ def test_a_publish_whose_reply_was_lost_is_not_written_again(target, monkeypatch
     """The switch landed, its reply was lost: the retry finds the hash naming its version
     and is done (it wrote every part again, which took away the expiry a successor's publish
     may have given them since, for good)."""
-    from accumulator.sync import _chief
+    from accumulator.sync import _publishing
 
     ps = ParameterServer("lost", replicas_to_aggregate=1, client=target.client())
     ps.initialize({"w": np.linspace(0, 1, 400 * 400)})  # parts, written before the switch
     writes: list[int] = []
-    real_write = _chief.write_parts
+    real_write = _publishing.write_parts
 
     def counted(pipe, keys, data):
         writes.append(len(keys))
@@ -480,7 +480,7 @@ def test_a_publish_whose_reply_was_lost_is_not_written_again(target, monkeypatch
             raise redis.ConnectionError("reply lost")
         return command
 
-    monkeypatch.setattr(_chief, "write_parts", counted)
+    monkeypatch.setattr(_publishing, "write_parts", counted)
     monkeypatch.setattr(_scripts, "evalsha_args", reply_lost)
     worker = Worker("lost", client=target.client())
     step, _ = worker.pull(timeout=5)

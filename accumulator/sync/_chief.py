@@ -3,8 +3,6 @@ gradients, updates and publishes; a restarted chief resumes the published job.""
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import logging
 import os
 import socket
@@ -15,42 +13,22 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any, cast
 
 import numpy as np
-from redis.exceptions import AskError, NoScriptError, ResponseError
 
-from .. import _admin, _chunks, _fusion, _retry, _scripts
+from .. import _fusion, _retry
 from .._codec import reply_text, scalar_int
 from .._connection import Client, require_transactions
 from .._errors import (
     CancelledError,
     DeadlineExceededError,
     InvalidArgumentError,
-    NotFoundError,
 )
-from .._keys import Keys, is_done_mark
-from .._requests import Call
-from .._routing import is_cluster, raise_slot_moving
-from .._stream import write_parts
-from .._together import call_step, run_together
-from ._job import TrainingFinished, _Job, accumulator_name
+from .._together import run_together
+from ._job import TrainingFinished
 from ._lease import CHIEF_LEASE_SECONDS, _ChiefLease, chief_key
-from ._params import Update, apply_update, learning_rates, specs_for, zero_grad
-from ._published import (
-    ANNOUNCE_BYTES,
-    ParamSpec,
-    Published,
-    encode_announcement,
-    encode_published,
-    unit_bytes,
-    unit_nbytes,
-    unit_spec,
-)
+from ._params import Update, apply_update, learning_rates, specs_for
+from ._resuming import _Resumer
 
 logger = logging.getLogger("accumulator.sync")
-
-#: How long the parts of the previous parameter version stay readable at most (a reader
-#: may be in the middle of them; the next publish deletes them sooner); after that it reads
-#: the newer version.
-_OLD_VERSION_MS = 60 * 1000
 
 
 def _weak_call(method: Callable[[], bool]) -> Callable[[], bool]:
@@ -65,7 +43,7 @@ def _weak_call(method: Callable[[], bool]) -> Callable[[], bool]:
     return call
 
 
-class ParameterServer(_Job):
+class ParameterServer(_Resumer):
     """The chief: owns the parameters, takes the gradients, updates and publishes.
 
     ``sparse`` names the parameters whose gradients are sparse rows (dim 0 indexed); all
@@ -168,20 +146,6 @@ class ParameterServer(_Job):
         """Copies of the current parameters."""
         return {name: arr.copy() for name, arr in self._params.items()}
 
-    def _check_resumable(self, published: Published, specs: list[ParamSpec]) -> None:
-        if published.specs != specs:
-            raise InvalidArgumentError(
-                f"sync job {self.job!r} is published with different parameters "
-                f"({'; '.join(s.describe() for s in published.specs)}) than given "
-                f"({'; '.join(s.describe() for s in specs)}); use resume=False to replace it"
-            )
-        if published.reduction != self.reduction_type:
-            raise InvalidArgumentError(
-                f"sync job {self.job!r} is published with reduction_type "
-                f"{published.reduction!r}, not {self.reduction_type!r}; use resume=False "
-                "to replace it"
-            )
-
     def initialize(
         self,
         params: Mapping[str, Any],
@@ -244,267 +208,6 @@ class ParameterServer(_Job):
         logger.info("sync job %r initialized at step %d: %s", self.job, self._step,
                     ", ".join(s.describe() for s in specs))  # fmt: skip
         return self._step
-
-    def _load_finished(self, published: Published) -> int:
-        """A finished job stays finished: load its final state, write nothing but the seal of
-        its accumulators (a chief that died between its final publish and the seal left
-        them open to pushes)."""
-        self._close_accumulators()
-        self._specs, self._fusion = list(published.specs), published.fusion
-        self._units = _fusion.plan(published.specs, published.fusion)
-        self._params, self._run, self._step = published.params, published.run, published.step
-        self._taken, self._done, self._unpublished = {}, True, None
-        self._seal_stored(self._units, published.step)
-        logger.info(
-            "sync job %r is finished (at step %d): not restarted; its final parameters are "
-            "loaded (initialize(resume=False) starts the job anew)", self.job, published.step,
-        )  # fmt: skip
-        return published.step
-
-    def _resume(self, published: Published) -> int:
-        if published.fusion != self.fusion_bytes:
-            logger.info("sync job %r was created with fusion_bytes=%d: resumed with it (not "
-                        "%d)", self.job, published.fusion, self.fusion_bytes)  # fmt: skip
-        self._fusion = published.fusion
-        self._open_accumulators(published.specs, published.reduction, published.fusion)
-        self._params, self._run = published.params, published.run
-        self._published_version = (published.run, published.step, published.tenure)
-        self._older_version = None
-        self._expire_other_versions()
-        self._taken, self._done, self._unpublished = {}, False, None
-        at = published.step
-        steps = {name: acc.global_step() for name, acc in self._accs.items()}
-        if any(s > at + 1 for s in steps.values()):
-            return self._skip_to(published, steps)
-        for name, s in steps.items():
-            if s < at:
-                # behind the published step (lost by a server restart, set by hand): align it;
-                # what it holds was pushed at older steps
-                logger.warning(
-                    "sync job %r: accumulator %r at step %d, behind the published step %d; "
-                    "set to %d, its pending gradients dropped", self.job,
-                    accumulator_name(self.job, name), s, at, at,
-                )  # fmt: skip
-                self._accs[name].set_global_step(at)
-                self._reset(name)
-        ahead = [name for name, s in steps.items() if s == at + 1]
-        handed = [name for name in ahead if self._unfinished_claims(name)]
-        lost = [name for name in ahead if name not in handed]
-        if ahead and len(lost) == len(steps):
-            # The previous chief read every parameter's round of this step and died before
-            # publishing: those gradients are gone. Skip the step: republish the parameters
-            # unchanged at the accumulators' step (waiting workers wake up and push again).
-            logger.warning(
-                "sync job %r: the previous chief died after taking step %d's gradients and "
-                "before publishing; they are lost: the step is skipped, parameters "
-                "republished unchanged at step %d", self.job, at, at + 1,
-            )  # fmt: skip
-            self._step = at + 1
-            self._publish(meta=True)
-            logger.info("sync job %r resumed at step %d", self.job, self._step)
-            return self._step
-        if ahead:
-            # Died during the step: finish it. A claimed round the previous chief never read
-            # is handed to this chief's take (the accumulator's step is not advanced again);
-            # a round it had read is lost: that parameter gets a zero gradient this step.
-            for name in lost:
-                self._taken[name] = self._zero_grad(name)
-            logger.warning(
-                "sync job %r: the previous chief died during step %d, after taking %s; "
-                "rounds handed over to this chief: %s; lost (a zero gradient this step): %s",
-                self.job, at, sorted(ahead), sorted(handed) or "none", sorted(lost) or "none",
-            )  # fmt: skip
-        self._step = at
-        if published.replicas != self.replicas_to_aggregate:
-            self._publish(meta=True)
-        logger.info("sync job %r resumed at step %d", self.job, at)
-        return at
-
-    def _expire_other_versions(self) -> None:
-        """Every parameter version but the published one expires within a minute (a reader
-        may be in one): those of chiefs before this one, which no publish of this chief
-        names. A chief killed between writing a version's parts and its switch left them
-        without expiry (under its tenure: nobody writes them again), and a crash-looping
-        chief's versions would pile up (each restart kept its predecessor's previous one)."""
-        assert self._published_version is not None
-        current = set(self._version_keys(*self._published_version))
-
-        def expire() -> None:
-            found = [key for key in self.redis.scan_iter(match=self.keys.versions_pattern,
-                                                         count=1000)
-                     if reply_text(key) not in current]  # fmt: skip
-            for i in range(0, len(found), 500):
-                batch = found[i : i + 500]
-                pipe = self.redis.pipeline(transaction=False)
-                for key in batch:
-                    pipe.pttl(key)
-                lasting = [key for key, ttl in zip(batch, pipe.execute(), strict=True)
-                           if ttl == -1]  # (the others expire already)  # fmt: skip
-                pipe = self.redis.pipeline(transaction=False)
-                for key in lasting:
-                    pipe.pexpire(key, _OLD_VERSION_MS)
-                pipe.execute()
-
-        self._io("expiring the versions of earlier chiefs", expire)
-
-    def _zero_grad(self, unit_name: str) -> Any:
-        """A gradient of the accumulator ``unit_name`` that changes nothing."""
-        return zero_grad(unit_spec(next(u for u in self._units if u.name == unit_name)))
-
-    def _skip_to(self, published: Published, steps: dict[str, int]) -> int:
-        """Accumulators more than one step ahead (set by hand, two chiefs): align them all
-        to the highest step, drop what is pending, republish there."""
-        target = max([published.step, *steps.values()])
-        logger.warning(
-            "sync job %r: accumulators at steps %s but step %d published; the rounds in "
-            "between are skipped, parameters republished at step %d",
-            self.job, steps, published.step, target,
-        )  # fmt: skip
-        for name, acc in self._accs.items():
-            if steps[name] != target:
-                acc.set_global_step(target)
-            self._reset(name)
-        self._step = target
-        self._publish(meta=True)
-        return target
-
-    def _reset(self, name: str) -> None:
-        self._io("dropping pending gradients",
-                 lambda: _admin.reset(self.redis, accumulator_name(self.job, name),
-                                      self.container))  # fmt: skip
-
-    def _unfinished_claims(self, name: str) -> int:
-        """Claimed rounds of a parameter's accumulator that no taker has read yet (a taker
-        that died after claiming): the accumulator hands them to its next take."""
-        keys = Keys(self.container, accumulator_name(self.job, name))
-
-        def read() -> int:
-            registry = self.redis.hgetall(keys.claims)
-            takers = [t for t, v in registry.items() if not is_done_mark(v)]
-            if not takers:
-                return 0
-            pipe = self.redis.pipeline(transaction=False)
-            for taker in takers:
-                pipe.exists(keys.claim(reply_text(taker)))
-            return sum(int(x) for x in pipe.execute())
-
-        return self._io("reading claimed rounds", read)
-
-    def _wipe(self, specs: list[ParamSpec], fusion: int) -> None:
-        """Delete the job: its parameters, counters, and the accumulators of ``specs``
-        (fused with ``fusion`` bytes) and of the job as published."""
-        units = _fusion.plan(specs, fusion)  # (refused before anything is deleted)
-        old = self._read_published(with_params=False)
-        if old is not None:
-            units += _fusion.plan(old.specs, old.fusion)
-        names = {u.name for u in units} | {s.name for s in specs}
-        for name in sorted(names):
-            shared = accumulator_name(self.job, name)
-            with contextlib.suppress(NotFoundError):
-                self._io("deleting an accumulator",
-                         lambda: _admin.delete(self.redis, shared, self.container))  # fmt: skip  # noqa: B023
-        self._io("deleting the job", lambda: self.redis.delete(self.keys.params, self.keys.stats))
-        self._io("deleting the job", lambda: _admin.delete_param_versions(self.redis, self.keys))
-
-    def _publish(self, *, meta: bool = False, done: bool = False) -> None:
-        # The version's keys carry this chief's tenure: a chief that lost its lease (paused,
-        # cut off) and writes its parts late writes none of the next chief's, even at the
-        # same (run, step); its switch is refused and deletes them. The first publish of a
-        # tenure writes the metadata too (a job resumed from an earlier version's names its
-        # parts without tenure: its readers must know the new names).
-        run, step, tenure = self._run, self.global_step, self._lease.tenure
-        meta = meta or self._published_version is None or self._published_version[2] != tenure
-        mapping = encode_published(
-            run, step, done, self._specs,
-            (self.replicas_to_aggregate, self.reduction_type, self._fusion) if meta else None,
-            tenure,
-        )  # fmt: skip
-        parts = []  # one buffer per unit of the job's layout (a fused bucket's packed)
-        for j, unit in enumerate(self._units):
-            data = unit_bytes(unit, self._params)
-            parts.append((self.keys.param_parts(run, step, j, data.nbytes, tenure), data))
-        version = (run, step, tenure)
-        previous, older = self._published_version, self._older_version
-        old_keys = [] if previous in (None, version) else self._version_keys(*previous)
-        # the version before the previous one: a reader still in it reads the newest again
-        stale = older if old_keys and older not in (None, version, previous) else None
-        stale_keys = [] if stale is None else self._version_keys(*stale)
-
-        # The switch is the lease script's ``publish``: the lease renewed and, only while this
-        # chief holds it, the hash switched to the new version, in one atomic step (no chief
-        # ever publishes over another, not even one that took over a moment ago).
-        cluster = is_cluster(self.redis)
-        new_keys = [key for keys, _ in parts for key in keys]
-        nbytes = sum(data.nbytes for _, data in parts)
-        # tiny models travel in the announcement too: a waiting worker needs no read
-        announcement = encode_announcement(
-            run, step, done, [data for _, data in parts] if nbytes <= ANNOUNCE_BYTES else None
-        )
-        lease_keys, lease_args = self._lease.publish_call(
-            self.keys.params, new_keys, old_keys, stale_keys,
-            "" if cluster else self.keys.channel, announcement, _OLD_VERSION_MS, mapping,
-        )  # fmt: skip
-        # Small parameters (one part in all: up to 1 MiB, as an apply's payload) go in the
-        # MULTI of the switch: one round trip, and a part refused (maxmemory) aborts the
-        # whole publish.
-        small = nbytes <= _chunks.SOLE_PART_BYTES
-
-        def switch(script: list[Any]) -> list[Any]:
-            pipe = self.redis.pipeline(transaction=True)
-            if small:
-                for keys, data in parts:
-                    write_parts(pipe, keys, data)
-            pipe.execute_command(*script)
-            try:
-                return list(pipe.execute()[-1])
-            except AskError as exc:  # (a cluster's transaction, its slot being migrated)
-                raise_slot_moving(self.redis, exc)
-            except ResponseError as exc:  # NOSCRIPT comes through as it is
-                _scripts.raise_translated(exc)
-
-        sent: list[bool] = []  # whether an attempt was made (its switch may have landed)
-
-        def publish() -> list[Any]:
-            # The new version's parts first (one chunk per command), then the switch: readers
-            # see either the old step and parameters or the new ones. The previous version
-            # stays readable until the next publish, a minute at most (a reader may be in
-            # the middle of it); the one before it is deleted in the switch. Sent again
-            # after a fault, it writes the same values, unless the switch of an attempt
-            # whose reply was lost is in: then it is done (writing the parts again would
-            # take away the expiry a successor's publish gave them since, for good).
-            if sent:
-                named = self.redis.hmget(self.keys.params, ["run", "step", "ten"])
-                if [reply_text(v) for v in named] == [run, str(step), tenure]:
-                    return [1, ""]
-            sent.append(True)
-            if not small:
-                pipe = self.redis.pipeline(transaction=False)
-                for keys, data in parts:
-                    write_parts(pipe, keys, data)
-                try:
-                    pipe.execute()
-                except ResponseError as exc:  # maxmemory, ACL: ours, as every other refusal
-                    _scripts.raise_translated(exc)
-            try:
-                reply = switch(_scripts.evalsha_args("sync_lease", lease_keys, lease_args))
-            except NoScriptError:  # not loaded (a restarted server): the source itself
-                reply = switch(["EVAL", _scripts.source("sync_lease"), len(lease_keys),
-                                *lease_keys, *lease_args])  # fmt: skip
-            if cluster and int(reply[0]) == 1:
-                # a cluster transaction carries no PUBLISH: the hint follows it
-                self.redis.publish(self.keys.channel, announcement)
-            return reply
-
-        self._lease.settle(self._io("publishing", publish))
-        if old_keys:
-            self._older_version = previous
-        self._published_version = version
-
-    def _version_keys(self, run: str, step: int, tenure: str) -> list[str]:
-        """Every part key of the parameters as published at (run, step) by ``tenure``."""
-        return [key for j, unit in enumerate(self._units)
-                for key in self.keys.param_parts(run, step, j, unit_nbytes(unit),
-                                                 tenure)]  # fmt: skip
 
     def step(self, update: Update, timeout: float | None = None, *, final: bool = False) -> int:
         """Take ``replicas_to_aggregate`` gradients of every parameter, apply ``update``,
@@ -675,34 +378,6 @@ class ParameterServer(_Job):
             self._publish(done=True)  # (with an unpublished step's parameters too)
             self._done, self._unpublished = True, None
         self._seal()  # (again: a seal the last call could not finish)
-
-    def _seal(self) -> None:
-        """Seal every accumulator of the finished job (``lua/seal.lua``, in one round trip):
-        from now on an apply that is not stale is refused, so a worker that pushes before
-        it has seen the end gets :class:`TrainingFinished` and applies nothing."""
-        calls = [(acc, call_step(Call("sealing the finished job's accumulators", "seal",
-                                      [acc._keys.state], [acc._schema, self._step, acc._instance])))
-                 for acc in self._accs.values()]  # fmt: skip
-        failed = next((value for ok, value in run_together(calls) if not ok), None)
-        if failed is not None:
-            raise failed
-
-    def _seal_stored(self, units: list[_fusion.Unit], step: int) -> None:
-        """Seal the job's accumulators that exist, without opening them (that would create a
-        deleted one again): their schemas in one pipeline, then ``lua/seal.lua`` each."""
-        states = [Keys(self.container, accumulator_name(self.job, u.name)).state for u in units]
-
-        def schemas() -> list[Any]:
-            pipe = self.redis.pipeline(transaction=False)
-            for state in states:
-                pipe.hget(state, "schema")
-            return pipe.execute()
-
-        for state, schema in zip(states, self._io("reading the accumulators", schemas),
-                                 strict=True):  # fmt: skip
-            if schema is not None:
-                seal = functools.partial(_scripts.call, self.redis, "seal", [state], [schema, step])
-                self._io("sealing the finished job's accumulators", seal)
 
     def delete(self) -> None:
         """Remove every key of this job: parameters, counters, the chief lease and the
