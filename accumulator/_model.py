@@ -382,7 +382,7 @@ class AccumulatorModel:
                 return ""
             raise InvalidArgumentError(  # not transient: retrying would not help
                 "sum_in_redis=True, but the Redis server does not run the accsum module (see "
-                "the README's 'Redis module' section)"
+                "the README's 'Large gradients and the Redis module')"
             )
         return name
 

@@ -314,7 +314,7 @@ def translate(exc: Exception, state_key: str | bytes | None = None) -> Exception
         return UnavailableError(
             "this accumulator keeps its sums in Redis, but the server does not run the accsum "
             "module (restarted without it?); nothing was applied. Load it (see the README's "
-            "'Redis module' section) or delete the accumulator and open it again"
+            "'Large gradients and the Redis module') or delete the accumulator and open it again"
         )
     if what == "STEPMAX":
         return InvalidArgumentError(
