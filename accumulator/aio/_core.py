@@ -4,14 +4,12 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
 from types import TracebackType
 from typing import Any, TypeVar, cast
 
-import redis
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.exceptions import NoScriptError, ResponseError
@@ -34,7 +32,7 @@ from .._requests import (
     Unsubscribe,
     advance,
 )
-from .._routing import join_by_node, moved_error, raise_first_error, split_by_node
+from ._cluster_batch import each, on_node, per_node
 from ._connection import (
     AsyncClient,
     AsyncConnections,
@@ -42,7 +40,6 @@ from ._connection import (
     execute,
     execute_batch,
     is_cluster,
-    node_client,
     pooled,
 )
 from ._receive import receive
@@ -372,12 +369,12 @@ class AccumulatorBase(AccumulatorModel):
     async def _batch(self, commands: aioredis.Redis, request: Batch) -> list[Any]:
         async def send() -> list[Any]:
             if is_cluster(commands) and all(c[0] == "SCRIPT" for c in request.commands):
-                return [await _each(commands, c, request.raise_on_error)
+                return [await each(commands, c, request.raise_on_error)
                         for c in request.commands]  # fmt: skip
             if request.tail is not None:
-                return await _per_node(commands, request)
+                return await per_node(commands, request)
             if is_cluster(commands) and request.node_key is not None:
-                return await _on_node(commands, request)
+                return await on_node(commands, request)
             if not is_cluster(commands):
                 direct = await execute_batch(commands, request.commands, request.raise_on_error)
                 if direct is not None:
@@ -488,57 +485,6 @@ class AccumulatorBase(AccumulatorModel):
                 except Exception as again:  # noqa: BLE001 - the caller re-checks anyway
                     logger.debug("refreshing the slot map failed: %s", again)
             return False
-
-
-async def _per_node(client: Any, request: Batch) -> list[Any]:
-    """The asyncio twin of ``_cluster_batch.per_node``: one pipeline per node (concurrently), each
-    ending with the batch's ``tail``; the replies in order, then the tails' replies."""
-    assert request.tail is not None
-    if not is_cluster(client):
-        pipe = client.pipeline(transaction=False)
-        for command in (*request.commands, request.tail):
-            pipe.execute_command(*command)
-        whole = list(range(len(request.commands)))
-        return join_by_node(request, [(whole, list(await pipe.execute(raise_on_error=False)))])
-    await client.initialize()
-    parts = split_by_node(client, request)
-    done = await asyncio.gather(*(_on_node(client, sub, node) for node, _, sub in parts))
-    pairs = zip(parts, done, strict=True)
-    return join_by_node(request, [(indices, replies) for (_, indices, _), replies in pairs])
-
-
-async def _on_node(client: Any, request: Batch, node: Any = None) -> list[Any]:
-    """The asyncio twin of ``_cluster_batch.on_node``: a batch on one connection to the node serving
-    its ``node_key`` (or ``node``); a redirect or a lost node refreshes the slot map and
-    raises a transient error (the batch is sent again, whole)."""
-    await client.initialize()
-    if node is None:
-        node = client.get_node_from_key(request.node_key)
-    pipe = node_client(client, node).pipeline(transaction=False)
-    for command in request.commands:
-        pipe.execute_command(*command)
-    try:
-        replies = list(await pipe.execute(raise_on_error=False))
-    except (redis.ConnectionError, redis.TimeoutError):
-        with contextlib.suppress(redis.RedisError, OSError):  # the node may be gone for now
-            await client.nodes_manager.initialize()
-        raise
-    moved = moved_error(request.what, replies)
-    if moved is not None:
-        await client.nodes_manager.initialize()
-        raise moved
-    return raise_first_error(replies) if request.raise_on_error else replies
-
-
-async def _each(client: Any, command: tuple[Any, ...], raise_on_error: bool) -> Any:
-    """One command of a batch that a cluster pipeline cannot route (SCRIPT LOAD: every
-    primary); its error as the reply unless ``raise_on_error``."""
-    try:
-        return await _scripts.execute_async(client, command)
-    except redis.ResponseError as exc:
-        if raise_on_error:
-            raise
-        return exc
 
 
 async def _run_plain(client: aioredis.Redis, ops: Ops[Any]) -> Any:
