@@ -86,9 +86,13 @@ def as_array(value: Any, dtype: np.dtype, what: str = "gradient") -> np.ndarray:
     :func:`to_wire`: a wrong-shaped ``np.broadcast_to(1.0, (2**31, 4))`` is refused without
     allocating the 32 GiB a cast would.
     """
-    value = to_numpy(value)  # torch tensors, DLPack objects
+    if isinstance(value, np.ma.MaskedArray):  # np.asarray would apply its masked values
+        raise InvalidArgumentError(
+            f"the {what} is a masked array, whose masked values would be applied: fill them "
+            "first (.filled(0))"
+        )
     try:
-        arr = np.asarray(value)
+        arr = np.asarray(to_numpy(value))  # (torch tensors, DLPack objects first)
     except Exception as exc:  # noqa: BLE001 - whatever the object raised, the input is bad
         raise InvalidArgumentError(f"Cannot convert the {what} to an array: {exc}") from exc
     if arr.dtype.kind not in "biufc" and arr.dtype != _BFLOAT16:
@@ -188,6 +192,13 @@ def normalize_shape(shape: Any) -> Shape:
         shape = shape.as_list()
     if _is_int(shape):
         shape = (int(shape),)
+    elif not isinstance(shape, (tuple, list, np.ndarray)) and (
+        hasattr(shape, "__array__") or hasattr(shape, "__dlpack__")
+    ):  # a torch or jax vector of dims, as numpy's
+        try:
+            shape = np.asarray(to_numpy(shape))
+        except Exception as exc:  # noqa: BLE001 - whatever the object raised, it is no shape
+            raise InvalidArgumentError(f"Invalid shape: {shape!r}") from exc
     if isinstance(shape, (str, bytes, bool, np.bool_, dict)) or (
         isinstance(shape, np.ndarray) and shape.ndim != 1
     ):

@@ -33,9 +33,25 @@ from ._errors import InvalidArgumentError
 from ._model import MAX_PAYLOAD_BYTES, AccumulatorModel
 from ._requests import Ops
 from ._take import Cancel, take
-from ._tensors import torch_sparse_rows
+from ._tensors import to_numpy, torch_sparse_rows
 
 _INDEX_DTYPE = np.dtype("<i8")
+
+
+def slices_rows(grad: Any) -> tuple[Any, Any, Any]:
+    """(indices, values, dense shape) of an ``IndexedSlices`` (ours or TF's) or a torch
+    sparse COO tensor (its rows along the first dimension). A dense torch tensor has
+    ``indices`` and ``values`` too, as methods: it is none of these."""
+    rows = torch_sparse_rows(grad)
+    if rows is not None:
+        return rows
+    indices, values = getattr(grad, "indices", None), getattr(grad, "values", None)
+    if indices is None or values is None or callable(indices) or callable(values):
+        raise InvalidArgumentError(
+            "expected an IndexedSlices (with .indices, .values and .dense_shape) or a torch "
+            f"sparse COO tensor, got {type(grad).__name__}"
+        )
+    return indices, values, getattr(grad, "dense_shape", None)
 #: int64's largest value as a uint64 (numpy < 2 compares a uint64 with a Python int as
 #: float64, where 2**63 - 1 and 2**63 are the same number)
 _INT64_MAX_U64 = np.uint64(np.iinfo(np.int64).max)
@@ -111,19 +127,7 @@ class SparseOps(AccumulatorModel):
         return code == 1
 
     def _slices_rows(self, grad: Any) -> tuple[Any, Any, Any]:
-        """(indices, values, dense shape) of an ``IndexedSlices`` (ours or TF's) or a torch
-        sparse COO tensor (its rows along the first dimension)."""
-        rows = torch_sparse_rows(grad)
-        if rows is not None:
-            return rows
-        try:
-            indices, values = grad.indices, grad.values
-        except AttributeError:
-            raise InvalidArgumentError(
-                "expected an IndexedSlices (with .indices, .values and .dense_shape), "
-                f"got {type(grad).__name__}"
-            ) from None
-        return indices, values, getattr(grad, "dense_shape", None)
+        return slices_rows(grad)
 
     def _validate(
         self, grad_indices: Any, grad_values: Any, grad_shape: Any
@@ -131,7 +135,7 @@ class SparseOps(AccumulatorModel):
         """TF's checks 1-5 (those that do not depend on the round), in TF's order, on the
         arrays' metadata: the values come back uncast (possibly a view), the indices int64."""
         try:
-            indices = np.asarray(grad_indices)
+            indices = np.asarray(to_numpy(grad_indices))  # (a torch tensor's: from its device)
         except Exception as exc:  # noqa: BLE001 - ragged lists, objects whose __array__ fails
             raise InvalidArgumentError(f"Cannot convert the indices to an array: {exc}") from exc
         if indices.dtype.kind not in "iu" and indices.size:

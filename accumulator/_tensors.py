@@ -18,7 +18,11 @@ import numpy as np
 
 
 def _is_torch(value: Any) -> bool:
-    return type(value).__module__.split(".")[0] == "torch"
+    """A torch object: of torch's own classes, or a tensor of a subclass defined elsewhere."""
+    if type(value).__module__.split(".")[0] == "torch":
+        return True
+    torch = sys.modules.get("torch")  # (not imported: no torch object can exist)
+    return torch is not None and isinstance(value, torch.Tensor)
 
 
 def torch_dtype_name(dtype: Any) -> str | None:

@@ -50,3 +50,29 @@ def test_a_users_code_type_checks_strictly(tmp_path: Path) -> None:
 def test_mypy_catches_a_misuse(tmp_path: Path) -> None:
     done = _mypy(tmp_path, USER_CODE + "\n\ntrain(3)\n")
     assert done.returncode == 1 and 'incompatible type "int"' in done.stdout, done.stdout
+
+
+AIO_CODE = '''
+import numpy as np
+from accumulator import aio
+
+
+async def train(url: str) -> float:
+    acc = await aio.ConditionalAccumulator(np.float32, (2,), shared_name="g", client=url)
+    async with acc:
+        await acc.apply_grad(np.ones(2, np.float32), local_step=await acc.global_step())
+        total: np.ndarray = await acc.take_grad(1)
+    return float(total.sum())
+'''
+
+
+def test_asyncio_code_type_checks_and_an_awaited_accumulator_keeps_its_type(
+    tmp_path: Path,
+) -> None:
+    """``await aio.ConditionalAccumulator(...)`` (the README's way to open one) is typed as
+    the accumulator, not Any: a misuse after it is caught."""
+    done = _mypy(tmp_path, AIO_CODE)
+    assert done.returncode == 0, done.stdout + done.stderr
+    misuse = AIO_CODE.replace("await acc.take_grad(1)", "await acc.take_grad(1, bogus=3)")
+    done = _mypy(tmp_path, misuse)
+    assert done.returncode == 1 and '"bogus"' in done.stdout, done.stdout

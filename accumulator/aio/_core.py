@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Generator
 from types import TracebackType
 from typing import Any, TypeVar, cast
 
@@ -173,7 +173,8 @@ class AccumulatorBase(AccumulatorModel):
                 self._conns, self._loop = conns, asyncio.get_running_loop()
         return self
 
-    def __await__(self: _A) -> Any:
+    def __await__(self: _A) -> Generator[Any, None, _A]:
+        """``await acc``: :meth:`open`, which returns the accumulator."""
         return self.open().__await__()
 
     async def aclose(self) -> None:

@@ -10,9 +10,10 @@ from typing import Any
 
 import numpy as np
 
-from .._codec import resolve_dtype
+from .._codec import can_cast, resolve_dtype
 from .._errors import InvalidArgumentError
 from .._sparse import SparseGradient
+from .._tensors import to_numpy
 from ._published import ParamSpec
 
 #: What :meth:`ParameterServer.step` applies: a learning rate for every parameter, one per
@@ -24,11 +25,13 @@ Update = (
 )
 
 
-def _as_array(value: Any) -> np.ndarray:
-    """A private numpy copy of a parameter (numpy, lists, torch, jax, ...)."""
-    if hasattr(value, "detach") and hasattr(value, "requires_grad"):  # torch: drop autograd
-        value = value.detach().cpu()
-    return np.array(value)
+def _as_array(value: Any, what: str) -> np.ndarray:
+    """A private numpy copy of a parameter (numpy, lists, torch, jax, ...); ``what`` names it
+    in the error when numpy cannot read it."""
+    try:
+        return np.array(to_numpy(value))  # (torch: detached, on the CPU, bfloat16 kept)
+    except Exception as exc:  # noqa: BLE001 - whatever the object raised, the input is bad
+        raise InvalidArgumentError(f"cannot read {what} as an array: {exc}") from exc
 
 
 def specs_for(
@@ -43,7 +46,7 @@ def specs_for(
     for name, value in params.items():
         if not isinstance(name, str) or not name:
             raise InvalidArgumentError(f"parameter names must be non-empty strings, got {name!r}")
-        arr = _as_array(value)
+        arr = _as_array(value, f"parameter {name!r}")
         kind = "sparse" if name in sparse else "dense"
         if kind == "sparse" and arr.ndim < 1:
             raise InvalidArgumentError(f"sparse parameter {name!r} needs at least one dimension")
@@ -128,11 +131,11 @@ def checked_params(specs: list[ParamSpec], params: Mapping[str, Any]) -> dict[st
                                    f"{sorted(names)}")  # fmt: skip
     out = {}
     for spec in specs:
-        arr = _as_array(params[spec.name])
+        arr = _as_array(params[spec.name], f"the update's {spec.name!r}")
         if arr.shape != spec.shape:
             raise InvalidArgumentError(f"update changed the shape of {spec.name!r}: "
                                        f"{arr.shape} != {spec.shape}")  # fmt: skip
-        if not np.can_cast(arr.dtype, spec.dtype, casting="same_kind"):
+        if not can_cast(arr.dtype, spec.dtype):  # (ml_dtypes' own rule lets complex into bfloat16)
             raise InvalidArgumentError(f"update returned {arr.dtype} for {spec.name!r} "
                                        f"({spec.dtype} expected)")  # fmt: skip
         out[spec.name] = np.asarray(arr, dtype=spec.dtype, order="C")

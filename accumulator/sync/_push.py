@@ -7,27 +7,28 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, cast
 
-import numpy as np
-
 from .._codec import check_payload_size, format_shape, to_wire, wire_nbytes
 from .._core import AccumulatorBase
 from .._dense import ConditionalAccumulator
 from .._errors import InvalidArgumentError
 from .._fusion import MemberError, Unit, pack
 from .._model import MAX_PAYLOAD_BYTES
-from .._sparse import SparseConditionalAccumulator
+from .._sparse import SparseConditionalAccumulator, slices_rows
 
 
 def _sparse_parts(grad: Any) -> tuple[Any, Any]:
-    """(indices, values) of a sparse gradient: IndexedSlices-like, SparseGradient or a pair."""
-    if hasattr(grad, "indices") and hasattr(grad, "values"):
-        return grad.indices, grad.values
+    """(indices, values) of a sparse gradient: IndexedSlices-like, SparseGradient, a torch
+    sparse COO tensor or a pair."""
     if isinstance(grad, (tuple, list)) and len(grad) == 2:
         return grad[0], grad[1]
-    raise InvalidArgumentError(
-        f"a sparse parameter's gradient must be (indices, values) or an IndexedSlices, not "
-        f"{type(grad).__name__}"
-    )
+    try:
+        indices, values, _ = slices_rows(grad)
+    except InvalidArgumentError:
+        raise InvalidArgumentError(
+            "a sparse parameter's gradient must be (indices, values), an IndexedSlices or a "
+            f"torch sparse COO tensor, not {type(grad).__name__}"
+        ) from None
+    return indices, values
 
 
 def validated_push(
@@ -50,11 +51,11 @@ def validated_push(
                 indices, values = _sparse_parts(grads[name])
                 acc = cast(SparseConditionalAccumulator, accs[name])
                 # the sparse accumulator's own checks (TF's 1-5 and the declared dims)
-                _, vals = acc._validate(indices, values, None)
+                indices, vals = acc._validate(indices, values, None)  # (indices: int64 now)
                 first = acc._first_error(vals)
                 if first:
                     raise InvalidArgumentError(first)
-                check_payload_size(np.size(indices) * 8 + wire_nbytes(vals, unit.dtype),
+                check_payload_size(indices.size * 8 + wire_nbytes(vals, unit.dtype),
                                    MAX_PAYLOAD_BYTES)  # fmt: skip
                 # converted here (range checked: no value may become inf), so the apply
                 # below cannot fail on it after another tensor went in
