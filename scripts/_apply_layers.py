@@ -5,6 +5,7 @@ interleaved, and the Python of ``apply_grad`` alone.
 - ``pooled``: the same command on a pooled redis-py connection (``_direct.execute``: the
   pool's checkout and release, the send, the reply read);
 - ``apply_grad``: the whole call, a new apply each time;
+- ``set``: redis-py's ``SET`` of the gradient's bytes (the benchmark's baseline);
 - ``python``: ``apply_grad`` with its script call answered from memory (no I/O at all).
 
 The replayed command carries one apply identity, so Redis answers it as a retry (its
@@ -25,6 +26,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 import numpy as np
+import redis
 
 import accumulator
 from accumulator import _direct, _scripts
@@ -75,7 +77,15 @@ def measure(url: str, elements: int) -> dict[str, float]:
     def apply() -> None:
         acc.apply_grad(grad, local_step=step)
 
-    ways: dict[str, Callable[[], None]] = {"raw": raw, "pooled": pooled, "apply_grad": apply}
+    plain = redis.Redis.from_url(url)
+    key = f"bench:layers:{uuid.uuid4().hex[:8]}"
+    payload = grad.tobytes()
+
+    def set_() -> None:
+        plain.set(key, payload)
+
+    ways: dict[str, Callable[[], None]] = {"raw": raw, "pooled": pooled, "apply_grad": apply,
+                                           "set": set_}  # fmt: skip
     times: dict[str, list[float]] = {k: [] for k in ways}
     for _ in range(ROUNDS):
         for key, call in ways.items():
@@ -99,6 +109,8 @@ def measure(url: str, elements: int) -> dict[str, float]:
     finally:
         _scripts.execute = real
     sock.close()
+    plain.delete(key)
+    plain.close()
     accumulator.delete_accumulator(name, client=url)
     acc.close()
     return out
@@ -114,7 +126,8 @@ def main() -> None:
     for key, us in got.items():
         print(f"  {key:10s} {us:8.1f}")
     print(f"  redis-py's share (pooled - raw): {got['pooled'] - got['raw']:.1f} us; "
-          f"our Python: {got['python']:.1f} us")  # fmt: skip
+          f"our Python: {got['python']:.1f} us; apply_grad / set: "
+          f"{got['apply_grad'] / got['set']:.2f}")  # fmt: skip
 
 
 if __name__ == "__main__":

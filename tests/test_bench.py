@@ -60,14 +60,15 @@ def test_step_bench_runs_both_paths(real_url):
 
 
 def test_apply_layers_measures_each_way_and_leaves_nothing_behind(real_url):
-    """``_apply_layers.py``: the four figures, each a positive median, and the accumulator it
+    """``_apply_layers.py``: the five figures, each a positive median, and the accumulator it
     made deleted."""
     import redis
 
     proc = run([str(SCRIPTS / "_apply_layers.py"), "--url", real_url, "--elements", "256"],
                timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    figures = dict(line.split() for line in proc.stdout.splitlines()[1:5])
-    assert set(figures) == {"raw", "pooled", "apply_grad", "python"}, proc.stdout
+    figures = dict(line.split() for line in proc.stdout.splitlines()[1:6])
+    assert set(figures) == {"raw", "pooled", "apply_grad", "set", "python"}, proc.stdout
     assert all(float(v) > 0 for v in figures.values()), proc.stdout
-    assert not list(redis.Redis.from_url(real_url).scan_iter(match="*bench/layers*"))
+    left = redis.Redis.from_url(real_url).scan_iter(match="*bench*layers*")
+    assert not list(left)
