@@ -1,0 +1,133 @@
+"""The model-based tests of ``test_model.py`` with faults injected: any apply or take may
+have one of its Redis requests lost on the way there (never run) or its reply lost on the
+way back (run, then the connection fails), the first, second, third or fourth request of
+the operation. The library retries through such a fault (its retry window), and the model
+is unchanged: what a caller sees is the same as without the fault, every accepted gradient
+is counted once and taken once, nothing is lost (each take's result is compared exactly
+with the reference's, each counter and step after every rule).
+
+The faults are injected under the retry layer (``_io``), on every backend: a script call
+(the apply; the take's claim and finish), a batch (a large gradient's parts and its
+script; the module's folds), a read of a round's payloads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import redis
+from hypothesis import strategies as st
+from hypothesis.stateful import precondition, rule
+from test_model import INT64_MAX, DenseMachine, DenseSpreadMachine, SparseMachine, _run
+
+MODES = ("request lost", "reply lost")
+#: (what, mode) of every fault injected in this process: the tests check that faults hit
+#: the operations they are about
+FIRED: list[tuple[str, str]] = []
+
+
+class Faults:
+    """Stands in for an accumulator's ``_io`` (the retry layer): the ``index``-th request of
+    the next operation fails once, before it runs or after, with a ConnectionError; the
+    retry layer then sends it again."""
+
+    def __init__(self, acc: Any) -> None:
+        self.real = acc._io
+        acc._io = self
+        self.plan: tuple[int, str] | None = None
+        self.seen = 0
+
+    def arm(self, index: int, mode: str) -> None:
+        self.plan, self.seen = (index, mode), 0
+
+    def disarm(self) -> None:
+        self.plan = None
+
+    def __call__(self, what: str, fn: Callable[[], Any], window: float | None = None) -> Any:
+        if self.plan is not None:
+            index, mode = self.plan
+            if self.seen == index:
+                self.plan = None
+                fn = self._failing_once(what, fn, mode)
+            self.seen += 1
+        return self.real(what, fn, window)
+
+    def _failing_once(self, what: str, fn: Callable[[], Any], mode: str) -> Callable[[], Any]:
+        failed: list[bool] = []
+
+        def once() -> Any:
+            if not failed:
+                failed.append(True)
+                FIRED.append((what, mode))
+                if mode == "reply lost":
+                    fn()
+                raise redis.ConnectionError(f"{mode} (injected)")
+            return fn()
+
+        return once
+
+
+class _WithFaults:
+    """Rules of the machines, with a fault armed first."""
+
+    faults: Faults
+
+    def _faulty(self) -> Faults:
+        faults = getattr(self, "faults", None)
+        if faults is None or faults.real.__self__ is not self.acc:  # (a new accumulator)
+            self.faults = faults = Faults(self.acc)
+        return faults
+
+    def _through_a_fault(self, data: st.DataObject, limit: int, run: Callable[[], None]) -> None:
+        faults = self._faulty()
+        index = data.draw(st.integers(0, limit), label="fault at request")
+        faults.arm(index, data.draw(st.sampled_from(MODES), label="fault"))
+        try:
+            run()
+        finally:
+            faults.disarm()
+
+    @precondition(lambda self: self.acc is not None)
+    @rule(data=st.data())
+    def apply_through_a_fault(self, data: st.DataObject) -> None:
+        self._through_a_fault(data, 2, lambda: self._apply(data, fresh=True))
+
+    @precondition(lambda self: self.acc is not None and self.count >= 1 and self.step < INT64_MAX)
+    @rule(data=st.data())
+    def take_through_a_fault(self, data: st.DataObject) -> None:
+        n = data.draw(st.integers(1, self.count), label="num_required")
+        self._through_a_fault(data, 3, lambda: self._take(n))
+
+
+class DenseFaultMachine(_WithFaults, DenseMachine):
+    pass
+
+
+class DenseSpreadFaultMachine(_WithFaults, DenseSpreadMachine):
+    pass
+
+
+class SparseFaultMachine(_WithFaults, SparseMachine):
+    pass
+
+
+def _run_with_faults(machine: type, target: Any, examples: int) -> None:
+    FIRED.clear()
+    _run(machine, target, examples=examples)
+    operations = {what.split(" ", 1)[0] for what, _ in FIRED}
+    modes = {mode for _, mode in FIRED}
+    # faults hit applies and takes, of both kinds (which operation got which kind is random)
+    assert {"apply_grad", "take_grad"} <= operations and modes == set(MODES), FIRED
+
+
+def test_dense_accumulator_follows_the_model_through_lost_requests_and_replies(target):
+    _run_with_faults(DenseFaultMachine, target, examples=25)
+
+
+def test_dense_spread_accumulator_follows_the_model_through_lost_requests_and_replies(target):
+    _run_with_faults(DenseSpreadFaultMachine, target, examples=12)
+
+
+def test_sparse_accumulator_follows_the_model_through_lost_requests_and_replies(target):
+    _run_with_faults(SparseFaultMachine, target, examples=25)
