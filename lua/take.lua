@@ -46,7 +46,6 @@ for i = 11, #ARGV, 2 do checked[ARGV[i]] = ARGV[i + 1] end
 local err, st = read_state(state, ARGV[1], {'step', 'count', 'rshape', 'ttl', 'n_taken',
   'grads_taken', 'gen', 'bytes'}, ARGV[9])
 if err then return err end
-if st.step == INT64_MAX then return acc_error('STEPMAX') end
 -- What this script and the client's reading of a claim (MGET, PEXPIRE, UNLINK) will need.
 local some_blob = base .. ':b:0:0'
 err = check_acl({'UNLINK', claim, 'UNLINK', some_blob, 'HSET', state,
@@ -100,10 +99,12 @@ local function with_payloads(entries, quarantined, adopted)
   return {1, entries, quarantined, adopted, payloads}
 end
 
--- A retry of a take that already claimed (the reply was lost): hand out the same round.
+-- A retry of a take that already claimed (the reply was lost): hand out the same round
+-- (also when that claim advanced the step to the int64 maximum, which refuses a new take).
 if redis.call('EXISTS', claim) == 1 then
   return with_payloads(redis.call('LRANGE', claim, '0', '-1'), 0, 0)
 end
+if st.step == INT64_MAX then return acc_error('STEPMAX') end
 
 local now = now_ms()
 local n = tonumber(ARGV[3])

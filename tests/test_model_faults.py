@@ -1,4 +1,5 @@
-"""The model-based tests of ``test_model.py`` with faults injected: any apply or take may
+"""The model-based tests of ``test_model.py`` with faults injected, for the synchronous and the
+asyncio classes (whose driver is its own code): any apply or take may
 have one of its Redis requests lost on the way there (never run) or its reply lost on the
 way back (run, then the connection fails), the first, second, third or fourth request of
 the operation. The library retries through such a fault (its retry window), and the model
@@ -13,13 +14,19 @@ script; the module's folds), a read of a round's payloads.
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import redis
+from _helpers import aclient
 from hypothesis import strategies as st
 from hypothesis.stateful import precondition, rule
 from test_model import INT64_MAX, DenseMachine, DenseSpreadMachine, SparseMachine, _run
+
+from accumulator import aio
 
 MODES = ("request lost", "reply lost")
 #: (what, mode) of every fault injected in this process: the tests check that faults hit
@@ -65,7 +72,16 @@ class Faults:
                 raise redis.ConnectionError(f"{mode} (injected)")
             return fn()
 
-        return once
+        async def once_async() -> Any:
+            if not failed:
+                failed.append(True)
+                FIRED.append((what, mode))
+                if mode == "reply lost":
+                    await fn()
+                raise redis.ConnectionError(f"{mode} (injected)")
+            return await fn()
+
+        return once_async if inspect.iscoroutinefunction(self.real) else once
 
 
 class _WithFaults:
@@ -74,9 +90,10 @@ class _WithFaults:
     faults: Faults
 
     def _faulty(self) -> Faults:
+        acc = getattr(self.acc, "inner", self.acc)  # (an asyncio one: behind its facade)
         faults = getattr(self, "faults", None)
-        if faults is None or faults.real.__self__ is not self.acc:  # (a new accumulator)
-            self.faults = faults = Faults(self.acc)
+        if faults is None or faults.real.__self__ is not acc:  # (a new accumulator)
+            self.faults = faults = Faults(acc)
         return faults
 
     def _through_a_fault(self, data: st.DataObject, limit: int, run: Callable[[], None]) -> None:
@@ -112,6 +129,56 @@ class SparseFaultMachine(_WithFaults, SparseMachine):
     pass
 
 
+# -- the asyncio classes: the same machines, through a synchronous facade ----------------------
+
+
+class Blocking:
+    """An asyncio accumulator driven from the machine's synchronous rules: each coroutine
+    method run to its end on the machine's own event loop."""
+
+    def __init__(self, inner: Any, loop: asyncio.AbstractEventLoop) -> None:
+        self.inner, self.loop = inner, loop
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self.inner, name)
+        if not inspect.iscoroutinefunction(attr):
+            return attr
+        return lambda *args, **kwargs: self.loop.run_until_complete(attr(*args, **kwargs))
+
+    def close(self) -> None:
+        try:
+            self.loop.run_until_complete(self.inner.aclose())
+        finally:
+            self.loop.close()
+
+
+class _Asyncio:
+    """Opens the machine's accumulator as the asyncio twin of its class (``twin``)."""
+
+    twin: Any
+
+    def _open(self, dtype: np.dtype, shape: Any, reduction: str, name: str) -> Any:
+        loop = asyncio.new_event_loop()
+        acc = self.twin(dtype, shape, name, reduction_type=reduction,
+                        client=aclient(self.target), **self.open_options)  # fmt: skip
+        return Blocking(loop.run_until_complete(acc.open()), loop)
+
+    open_options: dict[str, Any] = {}
+
+
+class AsyncDenseFaultMachine(_Asyncio, DenseFaultMachine):
+    twin = aio.ConditionalAccumulator
+
+
+class AsyncDenseSpreadFaultMachine(_Asyncio, DenseSpreadFaultMachine):
+    twin = aio.ConditionalAccumulator
+    open_options = {"spread_parts": True}
+
+
+class AsyncSparseFaultMachine(_Asyncio, SparseFaultMachine):
+    twin = aio.SparseConditionalAccumulator
+
+
 def _run_with_faults(machine: type, target: Any, examples: int) -> None:
     FIRED.clear()
     _run(machine, target, examples=examples)
@@ -131,3 +198,34 @@ def test_dense_spread_accumulator_follows_the_model_through_lost_requests_and_re
 
 def test_sparse_accumulator_follows_the_model_through_lost_requests_and_replies(target):
     _run_with_faults(SparseFaultMachine, target, examples=25)
+
+
+def test_asyncio_dense_accumulator_follows_the_model_through_lost_requests_and_replies(target):
+    _run_with_faults(AsyncDenseFaultMachine, target, examples=15)
+
+
+def test_asyncio_dense_spread_accumulator_follows_the_model_through_faults(target):
+    _run_with_faults(AsyncDenseSpreadFaultMachine, target, examples=8)
+
+
+def test_asyncio_sparse_accumulator_follows_the_model_through_lost_requests_and_replies(target):
+    _run_with_faults(AsyncSparseFaultMachine, target, examples=15)
+
+
+def test_a_take_whose_reply_was_lost_gets_its_round_even_at_the_last_step(target):
+    """Found by the asyncio machine above: a take that advanced the step to the int64
+    maximum and whose reply was lost is retried; the retry must hand out the round it
+    claimed, not refuse it as a new take at the maximum (the round stayed claimed, and no
+    take could ever advance past it)."""
+    import accumulator
+
+    acc = accumulator.ConditionalAccumulator(np.int64, (3,), shared_name="last",
+                                             client=target.client())  # fmt: skip
+    acc.set_global_step(INT64_MAX - 1)
+    assert acc.apply_grad(np.array([1, 2, 3]), local_step=INT64_MAX - 1)
+    faults = Faults(acc)
+    faults.arm(0, "reply lost")
+    FIRED.clear()
+    assert acc.take_grad(1, timeout=5).tolist() == [1, 2, 3]
+    assert FIRED and acc.global_step() == INT64_MAX and acc.num_accumulated() == 0
+    acc.close()
