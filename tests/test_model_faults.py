@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+import pytest
 import redis
 from _helpers import aclient
 from hypothesis import strategies as st
@@ -188,28 +189,16 @@ def _run_with_faults(machine: type, target: Any, examples: int) -> None:
     assert {"apply_grad", "take_grad"} <= operations and modes == set(MODES), FIRED
 
 
-def test_dense_accumulator_follows_the_model_through_lost_requests_and_replies(target):
-    _run_with_faults(DenseFaultMachine, target, examples=25)
-
-
-def test_dense_spread_accumulator_follows_the_model_through_lost_requests_and_replies(target):
-    _run_with_faults(DenseSpreadFaultMachine, target, examples=12)
-
-
-def test_sparse_accumulator_follows_the_model_through_lost_requests_and_replies(target):
-    _run_with_faults(SparseFaultMachine, target, examples=25)
-
-
-def test_asyncio_dense_accumulator_follows_the_model_through_lost_requests_and_replies(target):
-    _run_with_faults(AsyncDenseFaultMachine, target, examples=15)
-
-
-def test_asyncio_dense_spread_accumulator_follows_the_model_through_faults(target):
-    _run_with_faults(AsyncDenseSpreadFaultMachine, target, examples=8)
-
-
-def test_asyncio_sparse_accumulator_follows_the_model_through_lost_requests_and_replies(target):
-    _run_with_faults(AsyncSparseFaultMachine, target, examples=15)
+@pytest.mark.parametrize(("machine", "examples"), [
+    (DenseFaultMachine, 25), (DenseSpreadFaultMachine, 12), (SparseFaultMachine, 25),
+    (AsyncDenseFaultMachine, 15), (AsyncDenseSpreadFaultMachine, 8),
+    (AsyncSparseFaultMachine, 15),
+], ids=["dense", "dense-spread", "sparse", "asyncio-dense", "asyncio-dense-spread",
+        "asyncio-sparse"])  # fmt: skip
+def test_an_accumulator_follows_the_model_through_lost_requests_and_replies(
+    target, machine, examples
+):
+    _run_with_faults(machine, target, examples)
 
 
 def test_a_take_whose_reply_was_lost_gets_its_round_even_at_the_last_step(target):

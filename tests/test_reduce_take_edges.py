@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import redis
 from _helpers import aclient, entry_key_names
+from test_hardening import snapshot
 
 import accumulator
 from accumulator import _scripts, _take, aio
@@ -172,23 +173,6 @@ def test_complex_gradients_given_as_strided_views_are_summed(dtype):
 # --------------------------------------------------------------------------- take script
 
 
-def _snapshot(r: redis.Redis) -> dict[bytes, object]:
-    out: dict[bytes, object] = {}
-    for key in sorted(r.scan_iter()):
-        kind = r.type(key)
-        if kind == b"string":
-            out[key] = r.get(key)
-        elif kind == b"hash":
-            out[key] = r.hgetall(key)
-        elif kind == b"list":
-            out[key] = r.lrange(key, 0, -1)
-        elif kind == b"zset":
-            out[key] = r.zrange(key, 0, -1, withscores=True)
-        else:
-            out[key] = kind
-    return out
-
-
 @pytest.mark.parametrize("num_required", ["0", "-1"])
 def test_the_take_script_refuses_a_num_required_below_one_before_any_write(target, num_required):
     """A take requiring no gradient would claim any round (even an empty one): the script
@@ -200,10 +184,10 @@ def test_the_take_script_refuses_a_num_required_below_one_before_any_write(targe
     keys, args = _take.take_script_args(acc, "1-ab", 1, 10_000)
     args[2] = num_required  # ARGV[3]
     r = target.redis()
-    before = _snapshot(r)
+    before = snapshot(r)
     with pytest.raises(accumulator.InvalidArgumentError, match="BADARG"):
         _scripts.call(acc.redis, "take", keys, args)
-    assert _snapshot(r) == before
+    assert snapshot(r) == before
     assert (acc.num_accumulated(), acc.global_step()) == (1, 0)
     np.testing.assert_array_equal(acc.take_grad(1, timeout=5), np.ones(3))
 
