@@ -37,6 +37,10 @@ from ._tensors import to_numpy, torch_sparse_rows
 
 _INDEX_DTYPE = np.dtype("<i8")
 
+#: int64's largest value as a uint64 (numpy < 2 compares a uint64 with a Python int as
+#: float64, where 2**63 - 1 and 2**63 are the same number)
+_INT64_MAX_U64 = np.uint64(np.iinfo(np.int64).max)
+
 
 def slices_rows(grad: Any) -> tuple[Any, Any, Any]:
     """(indices, values, dense shape) of an ``IndexedSlices`` (ours or TF's) or a torch
@@ -52,9 +56,6 @@ def slices_rows(grad: Any) -> tuple[Any, Any, Any]:
             f"sparse COO tensor, got {type(grad).__name__}"
         )
     return indices, values, getattr(grad, "dense_shape", None)
-#: int64's largest value as a uint64 (numpy < 2 compares a uint64 with a Python int as
-#: float64, where 2**63 - 1 and 2**63 are the same number)
-_INT64_MAX_U64 = np.uint64(np.iinfo(np.int64).max)
 
 
 @dataclass(frozen=True, eq=False)
