@@ -183,10 +183,9 @@ class AsyncSparseFaultMachine(_Asyncio, SparseFaultMachine):
 def _run_with_faults(machine: type, target: Any, examples: int) -> None:
     FIRED.clear()
     _run(machine, target, examples=examples)
-    operations = {what.split(" ", 1)[0] for what, _ in FIRED}
-    modes = {mode for _, mode in FIRED}
-    # faults hit applies and takes, of both kinds (which operation got which kind is random)
-    assert {"apply_grad", "take_grad"} <= operations and modes == set(MODES), FIRED
+    # faults were injected (which operations they hit is random: hypothesis may draw few
+    # takes in a run; the tests below put one in each request of an apply and a take)
+    assert FIRED, "no fault was injected"
 
 
 @pytest.mark.parametrize(("machine", "examples"), [
@@ -217,4 +216,44 @@ def test_a_take_whose_reply_was_lost_gets_its_round_even_at_the_last_step(target
     FIRED.clear()
     assert acc.take_grad(1, timeout=5).tolist() == [1, 2, 3]
     assert FIRED and acc.global_step() == INT64_MAX and acc.num_accumulated() == 0
+    acc.close()
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("index", [0, 1], ids=["claim", "finish"])
+@pytest.mark.parametrize("kind", ["dense", "sparse"])
+def test_a_take_through_a_fault_in_each_of_its_requests(target, kind, index, mode):
+    """The claim's or the finish's request or reply lost: the take returns the round, once,
+    without waiting."""
+    import accumulator
+
+    if kind == "dense":
+        acc: Any = accumulator.ConditionalAccumulator(np.float64, (3,), shared_name="each",
+                                                      client=target.client())  # fmt: skip
+        acc.apply_grad(np.array([1.0, 2.0, 3.0]))
+        acc.apply_grad(np.array([3.0, 2.0, 1.0]))
+    else:
+        acc = accumulator.SparseConditionalAccumulator(np.float64, (6, 2), shared_name="each",
+                                                       client=target.client())  # fmt: skip
+        acc.apply_grad([1, 4], np.array([[1.0, 1.0], [2.0, 2.0]]))
+        acc.apply_grad([4], np.array([[4.0, 4.0]]))
+    faults = Faults(acc)
+    faults.arm(index, mode)
+    FIRED.clear()
+    # (the retried claim gets its round at once: not after its claim lease, 5 s, ran out, as
+    # a round left by a taker that is gone would be)
+    got = acc.take_grad(2, timeout=3)
+    assert [op.split(" ", 1)[0] for op, _ in FIRED] == ["take_grad"], FIRED
+    if kind == "dense":
+        assert got.tolist() == [2.0, 2.0, 2.0]
+    else:
+        assert got.indices.tolist() == [1, 4] and got.values.tolist() == [[1.0, 1.0], [3.0, 3.0]]
+    assert acc.global_step() == 1 and acc.num_accumulated() == 0
+    faults.arm(0, mode)  # and an apply's
+    FIRED.clear()
+    if kind == "dense":
+        assert acc.apply_grad(np.ones(3), local_step=1) is True
+    else:
+        assert acc.apply_grad([0], np.ones((1, 2)), local_step=1) is True
+    assert FIRED and acc.num_accumulated() == 1
     acc.close()
