@@ -127,9 +127,6 @@ class SparseOps(AccumulatorModel):
             raise AssertionError("a gradient refused by its values shape was accepted")
         return code == 1
 
-    def _slices_rows(self, grad: Any) -> tuple[Any, Any, Any]:
-        return slices_rows(grad)
-
     def _validate(
         self, grad_indices: Any, grad_values: Any, grad_shape: Any
     ) -> tuple[np.ndarray, np.ndarray]:
@@ -297,7 +294,7 @@ class SparseConditionalAccumulator(AccumulatorBase, SparseOps):
     ) -> bool:
         """:meth:`apply_grad` for an ``IndexedSlices`` (ours or TF's), or a torch sparse COO
         tensor (its rows along the first dimension)."""
-        return self.apply_grad(*self._slices_rows(grad), local_step)
+        return self.apply_grad(*slices_rows(grad), local_step)
 
     def take_grad(
         self,

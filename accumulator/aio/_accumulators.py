@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from .._dense import DenseOps
-from .._sparse import IndexedSlices, SparseGradient, SparseOps
+from .._sparse import IndexedSlices, SparseGradient, SparseOps, slices_rows
 from .._take import take
 from ._connection import AsyncClient
 from ._core import AccumulatorBase
@@ -118,7 +118,7 @@ class SparseConditionalAccumulator(AccumulatorBase, SparseOps):
     ) -> bool:
         """:meth:`apply_grad` for an ``IndexedSlices`` (ours or TF's), or a torch sparse COO
         tensor."""
-        return await self.apply_grad(*self._slices_rows(grad), local_step)
+        return await self.apply_grad(*slices_rows(grad), local_step)
 
     async def take_grad(
         self, num_required: Any, name: str | None = None, *, timeout: float | None = None

@@ -5,7 +5,6 @@ accumulators. :class:`~accumulator.sync.ParameterServer` is one (through ``_Resu
 from __future__ import annotations
 
 import functools
-import logging
 from typing import Any, cast
 
 import numpy as np
@@ -27,8 +26,6 @@ from ._published import (
     unit_bytes,
     unit_nbytes,
 )
-
-logger = logging.getLogger("accumulator.sync")
 
 #: How long the parts of the previous parameter version stay readable at most (a reader
 #: may be in the middle of them; the next publish deletes them sooner); after that it reads
