@@ -277,3 +277,37 @@ def drain_socket(sock: Any, out: bytearray) -> None:
         if not data:
             return
         out += data
+
+
+#: The faults :func:`failing_once` injects.
+FAULT_MODES = ("request lost", "reply lost")
+
+
+def failing_once(fn: Callable[[], Any], mode: str, fired: Callable[[], None],
+                 asynchronous: bool = False) -> Callable[[], Any]:  # fmt: skip
+    """``fn`` (a request, as the retry layer calls it; a coroutine function with
+    ``asynchronous``) failing once with a ConnectionError: before it runs ("request lost") or
+    after ("reply lost"); ``fired()`` is called then. The calls after that run ``fn``."""
+    import redis
+
+    failed: list[bool] = []
+
+    def once() -> Any:
+        if not failed:
+            failed.append(True)
+            fired()
+            if mode == "reply lost":
+                fn()
+            raise redis.ConnectionError(f"{mode} (injected)")
+        return fn()
+
+    async def once_async() -> Any:
+        if not failed:
+            failed.append(True)
+            fired()
+            if mode == "reply lost":
+                await fn()
+            raise redis.ConnectionError(f"{mode} (injected)")
+        return await fn()
+
+    return once_async if asynchronous else once

@@ -21,15 +21,14 @@ from typing import Any
 
 import numpy as np
 import pytest
-import redis
-from _helpers import aclient
+from _helpers import FAULT_MODES, aclient, failing_once
 from hypothesis import strategies as st
 from hypothesis.stateful import precondition, rule
 from test_model import INT64_MAX, DenseMachine, DenseSpreadMachine, SparseMachine, _run
 
 from accumulator import aio
 
-MODES = ("request lost", "reply lost")
+MODES = FAULT_MODES
 #: (what, mode) of every fault injected in this process: the tests check that faults hit
 #: the operations they are about
 FIRED: list[tuple[str, str]] = []
@@ -57,32 +56,10 @@ class Faults:
             index, mode = self.plan
             if self.seen == index:
                 self.plan = None
-                fn = self._failing_once(what, fn, mode)
+                fn = failing_once(fn, mode, lambda: FIRED.append((what, mode)),
+                                  inspect.iscoroutinefunction(self.real))  # fmt: skip
             self.seen += 1
         return self.real(what, fn, window)
-
-    def _failing_once(self, what: str, fn: Callable[[], Any], mode: str) -> Callable[[], Any]:
-        failed: list[bool] = []
-
-        def once() -> Any:
-            if not failed:
-                failed.append(True)
-                FIRED.append((what, mode))
-                if mode == "reply lost":
-                    fn()
-                raise redis.ConnectionError(f"{mode} (injected)")
-            return fn()
-
-        async def once_async() -> Any:
-            if not failed:
-                failed.append(True)
-                FIRED.append((what, mode))
-                if mode == "reply lost":
-                    await fn()
-                raise redis.ConnectionError(f"{mode} (injected)")
-            return await fn()
-
-        return once_async if inspect.iscoroutinefunction(self.real) else once
 
 
 class _WithFaults:

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 import redis
-from _helpers import aclient, entry_key_names
+from _helpers import aclient, entry_key_names, nan_bits
 from test_hardening import snapshot
 
 import accumulator
@@ -105,20 +105,12 @@ def test_sparse_row_subnormal_copied_first_counts_as_zero_in_the_next_add(dtype)
     assert vals.tobytes() == np.array([[tiny]], dt).tobytes()
 
 
-def _nan(dt: np.dtype, payload: int, negative: bool = False) -> np.ndarray:
-    utype = {4: np.uint32, 8: np.uint64}[dt.itemsize]
-    bits = np.array(np.nan, dt).view(utype) | utype(payload)
-    if negative:
-        bits = bits | (utype(1) << utype(8 * dt.itemsize - 1))
-    return np.array([bits], utype).view(dt)
-
-
 @pytest.mark.parametrize("dtype", FTZ, ids=FTZ_IDS)
 def test_sparse_two_nans_on_a_row_the_later_gradients_comes_out(dtype):
     """TF's sparse accumulator adds ``grad + accum``: of two NaNs on a row the later
     gradient's (sign and payload) survives (the dense one keeps the earlier's)."""
     dt = np.dtype(dtype)
-    first, later = _nan(dt, 1), _nan(dt, 2, negative=True)
+    first, later = np.array([nan_bits(dt, 0, 1)]), np.array([nan_bits(dt, 1, 2)])
     _, vals = sparse_merge(
         [(np.array([3]), first.reshape(1, 1)), (np.array([3]), later.reshape(1, 1))],
         (1,), dt, "SUM",

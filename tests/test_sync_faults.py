@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-import redis
+from _helpers import FAULT_MODES, failing_once
 
 from accumulator import _core
 from accumulator.sync import ParameterServer, Worker, _job
@@ -37,19 +37,8 @@ class RandomFaults:
         with self.lock:
             if self.random.random() >= RATE:
                 return fn
-            mode = self.random.choice(("request lost", "reply lost"))
-            self.fired.append(f"{what}: {mode}")
-        failed: list[bool] = []
-
-        def once() -> Any:
-            if not failed:
-                failed.append(True)
-                if mode == "reply lost":
-                    fn()
-                raise redis.ConnectionError(f"{mode} (injected)")
-            return fn()
-
-        return once
+            mode = self.random.choice(FAULT_MODES)
+        return failing_once(fn, mode, lambda: self.fired.append(f"{what}: {mode}"))
 
     def patch(self, monkeypatch: pytest.MonkeyPatch) -> None:
         acc_io, job_io = _core.AccumulatorBase._io, _job._Job._io
