@@ -20,7 +20,7 @@ import redis
 from redis.client import PubSub
 from redis.exceptions import NoScriptError, ResponseError
 
-from . import _private, _retry, _scripts, _take
+from . import _private, _reaper, _retry, _scripts, _take
 from ._cluster_batch import by_node_batch, each, is_script, on_node, per_node
 from ._connection import CLOSE_GRACE, CLUSTER_WAIT_SLICE, Client, connect
 from ._direct import execute_batch, pooled
@@ -81,6 +81,16 @@ def _let_go(
             conns.close()
 
 
+def _collected(conns: Connections, private: tuple[Keys, Identities, int] | None) -> None:
+    """An accumulator's finalizer: its share of the connections released where the
+    collector runs (no I/O); a private one's keys deleted by the reaper thread, which then
+    releases the share (network I/O in a finalizer would stall whatever thread collects)."""
+    if private is None:
+        _let_go(conns, None, collected=True)
+    else:
+        _reaper.submit(_let_go, conns, private)
+
+
 class AccumulatorBase(AccumulatorModel):
     """Common state and operations of :class:`ConditionalAccumulator` and
     :class:`SparseConditionalAccumulator` (for ``isinstance``); not instantiated directly."""
@@ -119,7 +129,7 @@ class AccumulatorBase(AccumulatorModel):
             self._conns.close()  # its share of the pools
             raise
         private = (self._keys, self._identities, self._pid) if self._private else None
-        self._finalizer = weakref.finalize(self, _let_go, self._conns, private, collected=True)
+        self._finalizer = weakref.finalize(self, _collected, self._conns, private)
 
     @property
     def redis(self) -> redis.Redis:

@@ -1,0 +1,87 @@
+"""A private accumulator collected without close(): its keys are deleted by the reaper
+thread, never on the thread the garbage collector happens to run on; and at exit, whatever
+was handed to that thread is done before the interpreter goes."""
+
+from __future__ import annotations
+
+import gc
+import subprocess
+import sys
+import textwrap
+import threading
+
+import numpy as np
+import pytest
+import redis
+
+import accumulator
+from accumulator import _private, _reaper
+
+
+def test_a_collected_private_accumulator_is_deleted_off_the_collecting_thread(
+    target, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    where: list[int] = []
+    real_run = _private.run
+
+    def run(client, ops):  # type: ignore[no-untyped-def]
+        where.append(threading.get_ident())
+        return real_run(client, ops)
+
+    monkeypatch.setattr(_private, "run", run)
+    acc = accumulator.ConditionalAccumulator(np.float32, (3,), client=target.client())
+    acc.apply_grad(np.ones(3, np.float32))
+    base = acc._keys.base
+    assert list(target.redis().scan_iter(match=f"{base}*"))
+    del acc
+    gc.collect()
+    assert _reaper.wait_idle(10)
+    assert where and threading.get_ident() not in where
+    assert not list(target.redis().scan_iter(match=f"{base}*"))
+
+
+def test_a_reaper_job_that_fails_is_logged_and_the_next_one_runs(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    done = threading.Event()
+
+    def fails() -> None:
+        raise OSError("unreachable")
+
+    with caplog.at_level("DEBUG", logger="accumulator"):
+        _reaper.submit(fails)
+        _reaper.submit(done.set)
+        assert _reaper.wait_idle(10) and done.is_set()
+    assert any("clean-up of a collected accumulator failed" in r.message for r in caplog.records)
+
+
+_AT_EXIT = """
+import sys, time
+import numpy as np
+import accumulator
+from accumulator import _reaper
+
+url = sys.argv[1]
+kept = accumulator.ConditionalAccumulator(np.float32, (3,), client=url)  # alive at exit
+dropped = accumulator.ConditionalAccumulator(np.float32, (3,), client=url)
+for acc in (kept, dropped):
+    acc.apply_grad(np.ones(3, np.float32))
+print(kept._keys.base, dropped._keys.base, flush=True)
+_reaper.submit(time.sleep, 1.0)  # the reaper thread busy: the drop's job waits in the queue
+del dropped
+"""
+
+
+@pytest.mark.real
+def test_private_accumulators_are_deleted_at_exit(real_url: str) -> None:
+    """One dropped just before the exit (its job still queued, behind a busy reaper thread),
+    one alive at exit (weakref.finalize's exit hook collects it): both are gone once the
+    process has ended."""
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(_AT_EXIT), real_url],
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    bases = proc.stdout.split()
+    assert len(bases) == 2
+    r = redis.Redis.from_url(real_url)
+    for base in bases:
+        assert not list(r.scan_iter(match=f"{base}*")), base
