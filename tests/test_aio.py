@@ -143,6 +143,42 @@ def test_a_cancelled_waiting_take_withdraws_and_the_next_take_gets_the_round(tar
     run(main)
 
 
+def test_a_take_cancelled_in_its_blpop_drops_that_connection(real):
+    """A wait cancelled while its BLPOP is on the server: that connection is closed, not put
+    back in the pool with the BLPOP still pending on it (the pop would take the wake token
+    of a later take, and the connection's next user would read this one's reply). redis-py
+    8.1's read drops a connection whose read was cut too, so this guards the two together.
+    (On a cluster the waits are short slices of redis-py's own blpop: not this path.)"""
+    if real.kind == "cluster":
+        pytest.skip("a cluster's waits are redis-py's blpop in short slices")
+    probe = redis.Redis.from_url(real.url)
+
+    def blocked() -> list[dict[str, Any]]:
+        return [c for c in probe.client_list() if c.get("cmd") == "blpop"]
+
+    async def main() -> None:
+        async with dense(real) as acc:
+            acc.wait_slice = 60.0  # left pending, the BLPOP would stay for a minute
+            waiting = asyncio.create_task(acc.take_grad(1))
+            for _ in range(500):
+                if blocked():
+                    break
+                await asyncio.sleep(0.01)
+            assert blocked(), "the take never reached its BLPOP"
+            waiting.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await waiting
+            for _ in range(500):  # the server sees the close within milliseconds
+                if not blocked():
+                    break
+                await asyncio.sleep(0.01)
+            assert not blocked(), "the cancelled BLPOP is still pending on its connection"
+            await acc.apply_grad(np.ones(3))
+            np.testing.assert_array_equal(await acc.take_grad(1, timeout=10), np.ones(3))
+
+    run(main)
+
+
 def test_a_woken_take_claims_in_the_round_trip_of_its_wait(real, monkeypatch):
     """As the sync driver's: the take script rides behind the BLPOP (first check, wait with
     the re-check, finish); the applies come from a sync object on another thread, whose
