@@ -257,7 +257,7 @@ def scalar_int(value: Any, what: str, bits: int = 64) -> int:
         if isinstance(value, (bool, np.bool_)):
             raise InvalidArgumentError(f"{what} must be an integer scalar, got {value!r}")
         try:
-            arr = np.asarray(value)
+            arr = np.asarray(to_numpy(value))  # (a tensor on a GPU: copied, as gradients are)
         except Exception:  # noqa: BLE001 - ragged lists and objects whose __array__ fails
             raise InvalidArgumentError(
                 f"{what} must be an integer scalar, got {_short(value)}"

@@ -166,3 +166,25 @@ def test_a_tensor_subclass_defined_outside_torch_is_a_tensor(target):
     assert acc.apply_grad(grad * 2)
     assert acc.take_grad(1).tolist() == [2.0, 2.0, 2.0]
     acc.close()
+
+
+class _OnDevice(torch.Tensor):
+    """A tensor numpy cannot read through ``__array__``, as a CUDA tensor (no GPU here)."""
+
+    def __array__(self, dtype=None, copy=None):  # type: ignore[no-untyped-def]
+        raise TypeError("can't convert cuda:0 device type tensor to numpy. Use Tensor.cpu()")
+
+
+@fake_only
+def test_scalar_arguments_given_as_tensors_numpy_cannot_read(target):
+    """local_step, num_required and a new global step given as 0-d tensors on a device are
+    read as gradients are (copied to the CPU), not refused as "not an integer scalar"."""
+    acc = accumulator.ConditionalAccumulator(np.float32, (3,), shared_name="dev",
+                                             client=target.client())  # fmt: skip
+    assert acc.apply_grad(np.ones(3, np.float32), local_step=torch.tensor(0).as_subclass(_OnDevice))
+    assert acc.take_grad(torch.tensor(1).as_subclass(_OnDevice)).tolist() == [1.0, 1.0, 1.0]
+    acc.set_global_step(torch.tensor(7).as_subclass(_OnDevice))
+    assert acc.global_step() == 7
+    with pytest.raises(accumulator.InvalidArgumentError, match="must be an integer"):
+        acc.apply_grad(np.ones(3, np.float32), local_step=torch.tensor(7.0).as_subclass(_OnDevice))
+    acc.close()
