@@ -478,7 +478,8 @@ def _module_build(ctx: Context, args: argparse.Namespace) -> int:
 
     built = _module.build()
     if built is None:
-        raise CliError(EXIT_ERROR, "the module could not be built (a C compiler is needed)")
+        why = _module.why_not_built() or "unknown reason"
+        raise CliError(EXIT_ERROR, f"the module could not be built: {why}")
     if ctx.json:
         ctx.dump({"module": str(built), "name": _module.MODULE_NAME})
     else:

@@ -17,6 +17,7 @@ import logging
 import os
 import shlex
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -58,8 +59,28 @@ def source() -> bytes:
 
 
 def cache_dir() -> Path:
+    """Where builds are kept: ``$XDG_CACHE_HOME/redis-accumulator`` (``~/.cache/...``)."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "redis-accumulator"
+
+
+def _private_temp_dir() -> tuple[Path, str | None]:
+    """A build directory of this user's under the temporary directory, for when the cache
+    directory cannot be written (a read-only or missing home: containers, ``nobody``), and
+    why it cannot be used (None: it can): it cannot be made, or is not this user's alone (on
+    a shared /tmp, a directory another user made or can write could hand Redis their shared
+    object to load)."""
+    uid = os.getuid() if hasattr(os, "getuid") else None
+    path = Path(tempfile.gettempdir()) / f"redis-accumulator-{uid if uid is not None else 'user'}"
+    try:
+        path.mkdir(mode=0o700, exist_ok=True)
+        info = os.lstat(path)
+    except OSError as exc:
+        return path, str(exc)
+    if (not stat.S_ISDIR(info.st_mode) or info.st_mode & 0o022
+            or (uid is not None and info.st_uid != uid)):  # fmt: skip
+        return path, "not a directory of this user's alone: others could write into it"
+    return path, None
 
 
 def find_compiler() -> list[str] | None:
@@ -85,9 +106,14 @@ def _compiler_identity(command: tuple[str, ...]) -> str:
     return " ".join([path, *command[1:], version])
 
 
-#: Builds that failed in this process (no compiler, or the compiler refused): not tried, nor
-#: logged, again (each server start of a test session logged the same line: new-user review).
-_failed: set[tuple[str, ...]] = set()
+#: Builds that failed in this process (no compiler, or the compiler refused), and why: not
+#: tried, nor logged, again (each server start of a test session logged the same line:
+#: new-user review).
+_failed: dict[tuple[str, ...], str] = {}
+
+
+class BuildFailed(Exception):
+    """Why :func:`build` built nothing (raised inside, logged by :func:`build`)."""
 
 
 def build(*, sanitize: bool = False, out_dir: Path | None = None) -> Path | None:
@@ -95,19 +121,52 @@ def build(*, sanitize: bool = False, out_dir: Path | None = None) -> Path | None
     path of the shared object; None, with one log line per process, when no C compiler is
     present or it fails. ``sanitize`` adds ``-fsanitize=address,undefined`` (for the
     tests)."""
-    key = (str(out_dir or cache_dir()), str(sanitize), os.environ.get("CC", ""),
-           os.environ.get("PATH", ""))  # fmt: skip
+    key = _build_key(sanitize, out_dir)
     if key in _failed:
         return None
-    built = _build(sanitize=sanitize, out_dir=out_dir)
-    if built is None:
-        _failed.add(key)
-    return built
+    try:
+        return _build(sanitize=sanitize, out_dir=out_dir)
+    except BuildFailed as exc:
+        _failed[key] = str(exc)
+        logger.warning("%s: takes sum on the client instead", exc)
+        return None
 
 
-def _build(*, sanitize: bool, out_dir: Path | None) -> Path | None:
-    src = source()
+def why_not_built(*, sanitize: bool = False, out_dir: Path | None = None) -> str | None:
+    """Why the last :func:`build` with these arguments built nothing (None: it did, or was
+    not tried)."""
+    return _failed.get(_build_key(sanitize, out_dir))
+
+
+def _build_key(sanitize: bool, out_dir: Path | None) -> tuple[str, ...]:
+    return (str(out_dir or cache_dir()), str(sanitize), os.environ.get("CC", ""),
+            os.environ.get("PATH", ""))  # fmt: skip
+
+
+def _build(*, sanitize: bool, out_dir: Path | None) -> Path:
     where = out_dir or cache_dir()
+    try:
+        return _build_in(where, sanitize)
+    except _Unwritable as exc:
+        failed = f"the accumulator's Redis module could not be built in {where} ({exc})"
+        if out_dir is not None:  # (a directory the caller chose: no other)
+            raise BuildFailed(failed) from None
+        fallback, unusable = _private_temp_dir()
+        if unusable is None:
+            logger.info("cannot write %s (%s): building the module in %s", where, exc, fallback)
+            try:
+                return _build_in(fallback, sanitize)
+            except _Unwritable as again:
+                unusable = str(again)
+        raise BuildFailed(f"{failed}, nor in {fallback} ({unusable})") from None
+
+
+class _Unwritable(Exception):
+    """The build directory cannot be made or written."""
+
+
+def _build_in(where: Path, sanitize: bool) -> Path:
+    src = source()
     suffix = "-asan" if sanitize else ""
     # named by the source, then by source, compiler and flags: a host without a compiler
     # still finds a build of this very source (made before, or in another image stage)
@@ -119,11 +178,8 @@ def _build(*, sanitize: bool, out_dir: Path | None) -> Path | None:
         if built_before:
             logger.info("no C compiler; the module built before: %s", built_before[-1])
             return built_before[-1]
-        logger.warning(
-            "no C compiler found (cc, gcc, clang or $CC): the accumulator's Redis module is "
-            "not built; takes sum on the client instead"
-        )
-        return None
+        raise BuildFailed("no C compiler found (cc, gcc, clang or $CC): the accumulator's "
+                          "Redis module is not built")  # fmt: skip
     flags = _FLAGS + (_SANITIZE if sanitize else [])
     identity = " ".join([_compiler_identity(tuple(cc)), *flags])
     digest = hashlib.sha256(src + identity.encode()).hexdigest()[:12]
@@ -139,14 +195,11 @@ def _build(*, sanitize: bool, out_dir: Path | None) -> Path | None:
             proc = subprocess.run([*cc, *flags, "-o", str(built), str(c_file)],
                                   capture_output=True, text=True, check=False)  # fmt: skip
             if proc.returncode != 0:
-                logger.warning("building the accumulator's Redis module failed (%s): %s",
-                               " ".join(cc), proc.stderr.strip()[-2000:])  # fmt: skip
-                return None
+                raise BuildFailed(f"building the accumulator's Redis module failed "
+                                  f"({' '.join(cc)}): {proc.stderr.strip()[-2000:]}")  # fmt: skip
             os.replace(built, target)  # atomic: a concurrent build of the same source is fine
     except OSError as exc:  # a cache directory we may not write (read-only, not a directory)
-        logger.warning("the accumulator's Redis module could not be built in %s (%s): takes "
-                       "sum on the client instead", where, exc)  # fmt: skip
-        return None
+        raise _Unwritable(str(exc)) from None
     logger.info("built the accumulator's Redis module: %s", target)
     return target
 

@@ -605,6 +605,55 @@ def test_the_cli_builds_the_module_and_prints_its_path(capsys):
     assert path.endswith(".so") and os.path.exists(path)
 
 
+def _unwritable_cache(tmp_path, monkeypatch) -> None:
+    """The default cache directory cannot be made (a file where its parent should be); the
+    temporary directory is tmp_path/tmp."""
+    blocker = tmp_path / "cache-is-a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))
+    monkeypatch.setattr(_module.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+
+
+def test_an_unwritable_cache_builds_in_a_directory_of_this_users_own(tmp_path, monkeypatch):
+    """A read-only or missing home (containers, ``nobody``): built under the temporary
+    directory instead, in a directory only this user can write (review: no module at all)."""
+    if _module.find_compiler() is None:
+        pytest.skip("no C compiler")
+    _unwritable_cache(tmp_path, monkeypatch)
+    built = _module.build()
+    assert built is not None and built.parent.parent == tmp_path / "tmp"
+    assert built.parent.stat().st_mode & 0o777 == 0o700
+    assert _module.why_not_built() is None
+
+
+def test_a_temporary_directory_others_can_write_is_not_built_in(tmp_path, monkeypatch, capsys):
+    """Redis would load whatever shared object another user put there. The CLI says why the
+    module was not built (it blamed a missing compiler for every failure)."""
+    if _module.find_compiler() is None:
+        pytest.skip("no C compiler")
+    _unwritable_cache(tmp_path, monkeypatch)
+    shared = tmp_path / "tmp" / f"redis-accumulator-{os.getuid()}"
+    shared.mkdir()
+    shared.chmod(0o777)
+    from accumulator._cli import EXIT_ERROR, main
+
+    assert main(["module", "build"]) == EXIT_ERROR
+    err = capsys.readouterr().err
+    assert "could not be built in" in err and str(shared) in err and "compiler" not in err
+    assert not list(shared.iterdir())
+
+
+def test_the_cli_says_when_no_compiler_is_the_reason(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    from accumulator._cli import EXIT_ERROR, main
+
+    assert main(["module", "build"]) == EXIT_ERROR
+    assert "no C compiler found" in capsys.readouterr().err
+
+
 def test_the_module_command_takes_no_connection_options(capsys):
     """It does not talk to Redis: its help lists only --json of the global options, and a
     connection option after it is a usage error, not silently ignored."""
