@@ -46,4 +46,5 @@ def test_the_wheel_carries_the_scripts_the_module_source_and_the_type_marker(
     lua = {f"accumulator/lua/{p.name}" for p in (ROOT / "lua").glob("*.lua")}
     assert lua and lua <= names, sorted(lua - names)
     assert {"accumulator/module/accsum.c", "accumulator/py.typed"} <= names
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)  # (Apache-2.0 asks it)
     assert not any(n.startswith(("tests/", "scripts/")) or "__pycache__" in n for n in names)
