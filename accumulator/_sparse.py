@@ -100,7 +100,9 @@ class SparseOps(AccumulatorModel):
         wire = to_wire(values, self.dtype, "gradient values")
         indices, values = _reduce.coalesce(indices, wire)
         payload = np.empty(indices.nbytes + values.nbytes, dtype=np.uint8)
-        payload[: indices.nbytes] = indices.astype(_INDEX_DTYPE, copy=False).view(np.uint8)
+        # (a strided view of sorted, unique indices comes back from coalesce as it is: a
+        # column of an id matrix, x[::2]; view() needs them contiguous)
+        payload[: indices.nbytes] = np.ascontiguousarray(indices, _INDEX_DTYPE).view(np.uint8)
         payload[indices.nbytes :] = np.ascontiguousarray(values).reshape(-1).view(np.uint8)
         return payload
 
