@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, NoReturn, cast
 
 import ml_dtypes
 import msgpack
@@ -46,6 +46,8 @@ def resolve_dtype(dtype: Any) -> np.dtype:
         dtype = _TF_ALIASES.get(name, name) if name in _TF_ALIASES else dtype.as_numpy_dtype
     if isinstance(dtype, str):
         dtype = _TF_ALIASES.get(dtype, dtype)
+    elif dtype is float:  # TF's meaning (tf.as_dtype(float)), not numpy's float64
+        dtype = "float32"
     if not isinstance(dtype, (np.dtype, type, str)):
         raise InvalidArgumentError(f"Unsupported accumulator dtype: {dtype!r}")
     try:
@@ -121,13 +123,33 @@ def to_wire(arr: np.ndarray, dtype: np.dtype, what: str = "gradient") -> np.ndar
         if lost.any():
             lost &= np.isfinite(arr)
             if lost.any():
-                i = int(np.argmax(lost.reshape(-1)))
-                raise InvalidArgumentError(
-                    f"Cannot convert the {what} to {dtype.name}: value "
-                    f"{arr.reshape(-1)[i]!r} (element {i}) is out of its range (it would "
-                    "become inf)"
-                )
+                _out_of_range(arr, lost, dtype, what, "become inf")
+    elif out is not arr and _kind(dtype) in "iu" and _may_wrap(arr.dtype, dtype) and arr.size:
+        # (an int64 300 into int8 would wrap to 44: refused as an overflowing float is)
+        info = np.iinfo(dtype)
+        low, high = arr.min(), arr.max()
+        if low < info.min or high > info.max:
+            _out_of_range(arr, (arr < info.min) | (arr > info.max), dtype, what, "wrap around")
     return out
+
+
+def _out_of_range(arr: np.ndarray, lost: np.ndarray, dtype: np.dtype, what: str,
+                  becomes: str) -> NoReturn:  # fmt: skip
+    i = int(np.argmax(lost.reshape(-1)))
+    raise InvalidArgumentError(
+        f"Cannot convert the {what} to {dtype.name}: value {arr.reshape(-1)[i].item()!r} (element "
+        f"{i}) is out of its range (it would {becomes})"
+    )
+
+
+def _may_wrap(src: np.dtype, dst: np.dtype) -> bool:
+    """Whether casting the integer (or bool) dtype src to the integer dtype dst can wrap."""
+    if src.kind == "b":
+        return False
+    if src.kind not in "iu":
+        return False  # (floats into integers: not a same-kind cast, refused before)
+    a, b = np.iinfo(src), np.iinfo(dst)
+    return bool(a.min < b.min or a.max > b.max)
 
 
 def _may_overflow(src: np.dtype, dst: np.dtype) -> bool:

@@ -55,3 +55,46 @@ def test_a_sync_push_with_strided_sparse_rows_applies_every_parameter(target):
     assert ps.params["emb"][[1, 3]].tolist() == [[-1, -1], [-1, -1]]
     worker.close()
     ps.close()
+
+
+@fake_only
+def test_dtype_float_is_tfs_float32(target):
+    """``tf.as_dtype(float)`` is float32; numpy's float64 made accumulators of twice the
+    memory and sums not bit-identical to TF's (numpy's meaning is ``np.float64``)."""
+    acc = accumulator.ConditionalAccumulator(float, (1,), shared_name="f", client=target.client())
+    assert acc.dtype == np.float32
+    acc.apply_grad([0.1])
+    assert acc.take_grad(1).tobytes() == np.float32(0.1).tobytes()
+    acc.close()
+    wide = accumulator.ConditionalAccumulator(np.float64, (1,), shared_name="d",
+                                              client=target.client())  # fmt: skip
+    assert wide.dtype == np.float64
+    wide.close()
+
+
+@fake_only
+@pytest.mark.parametrize(("dtype", "grad", "bad"), [
+    (np.int8, np.array([300, -1, 2]), "300"),
+    (np.int8, np.array([1, -129, 2]), "-129"),
+    (np.int8, np.array([200, 1, 1], np.uint8), "200"),
+    (np.uint8, np.array([1, 256, 2], np.uint16), "256"),
+    (np.int32, np.array([1, 2**40, 2]), str(2**40)),
+    (np.int64, np.array([1, 2**63, 2], np.uint64), str(2**63)),
+])  # fmt: skip
+def test_integers_that_do_not_fit_are_refused_not_wrapped(target, dtype, grad, bad):
+    """An int64 300 into int8 was stored as 44, where a float that overflows its dtype is
+    refused; values that fit are taken, and a stale gradient is dropped as TF drops one."""
+    acc = accumulator.ConditionalAccumulator(dtype, (3,), shared_name="i", client=target.client())
+    with pytest.raises(accumulator.InvalidArgumentError, match=f"value {bad} .*it would wrap"):
+        acc.apply_grad(grad)
+    assert acc.num_accumulated() == 0
+    assert acc.apply_grad(np.array([1, 2, 3], grad.dtype))
+    assert acc.take_grad(1).tolist() == [1, 2, 3]
+    assert acc.apply_grad(grad, local_step=0) is False  # stale (the step is 1 now)
+    sparse = accumulator.SparseConditionalAccumulator(dtype, (4, 3), shared_name="si",
+                                                      client=target.client())  # fmt: skip
+    with pytest.raises(accumulator.InvalidArgumentError, match="it would wrap"):
+        sparse.apply_grad([0], grad[None, :])
+    assert sparse.num_accumulated() == 0
+    acc.close()
+    sparse.close()
