@@ -35,6 +35,7 @@ import logging
 import multiprocessing as mp
 import os
 import shlex
+import shutil
 import signal
 import sys
 import threading
@@ -174,11 +175,21 @@ def _say(out: TextIO, text: str = "") -> None:
     out.flush()
 
 
+def python_command() -> str:
+    """``python`` when that is this interpreter (an activated venv, say), else this
+    interpreter's path: another terminal's ``python`` may not have the package."""
+    found = shutil.which("python")
+    if found and os.path.abspath(found) == os.path.abspath(sys.executable):
+        return "python"
+    return sys.executable or "python"
+
+
 def watch_hint(name: str, url: str, container: str = "") -> str:
     """The command that watches accumulator ``name`` from another terminal. The password
     is left out of ``--url`` (never printed); the command then gets it from
     ``$REDISCLI_AUTH``, shown as ``REDISCLI_AUTH=...`` for the user to fill in."""
-    command = ["python", "-m", "accumulator", "watch", name, "--url", redact_url(url, drop=True)]
+    command = [python_command(), "-m", "accumulator", "watch", name, "--url",
+               redact_url(url, drop=True)]  # fmt: skip
     if container:
         command += ["--container", container]
     text = " ".join(shlex.quote(part) for part in command)

@@ -190,7 +190,8 @@ def test_demo_fails_below_the_bar(real):
 PW = "Sup3r-S3cret-pw"
 
 
-def test_watch_hint_leaves_the_password_out():
+def test_watch_hint_leaves_the_password_out(monkeypatch):
+    monkeypatch.setattr(_demo, "python_command", lambda: "python")
     hint = _demo.watch_hint("digits/emb", f"redis://:{PW}@h:6379/0")
     assert hint == "REDISCLI_AUTH=... python -m accumulator watch digits/emb --url redis://h:6379/0"
     hint = _demo.watch_hint("j b/emb", f"redis://alice@h/0?password={PW}&db=1", "c")
@@ -203,7 +204,7 @@ def test_watch_hint_leaves_the_password_out():
 
 
 @pytest.mark.parametrize("form", ["userinfo", "query"])
-def test_demo_never_prints_the_password(form, caplog, capsys):
+def test_demo_never_prints_the_password(form, caplog, capsys, monkeypatch):
     """A short run (chief and one worker thread, in this process) against a password-protected
     server: the password is in nothing the demo prints or logs, and the watch command it
     prints works once $REDISCLI_AUTH holds the password."""
@@ -212,6 +213,7 @@ def test_demo_never_prints_the_password(form, caplog, capsys):
     if find_server_binary() is None:
         pytest.skip("no redis-server binary (scripts/test.sh installs one)")
     caplog.set_level(logging.DEBUG)
+    monkeypatch.setattr(_demo, "python_command", lambda: "python")
     with RedisServer(args=["--requirepass", PW]) as server:
         caplog.clear()  # the test helper's own record of the server's command line
         url = {"userinfo": server.url.replace("redis://", f"redis://:{PW}@"),
@@ -238,3 +240,14 @@ def test_demo_never_prints_the_password(form, caplog, capsys):
                              env={**env, "REDISCLI_AUTH": PW}, timeout=60)  # fmt: skip
         assert run.returncode == 0, run.stdout + run.stderr
         assert "accumulator 'hint/emb'" in run.stdout and PW not in run.stdout
+
+
+def test_the_watch_hint_names_this_interpreter_unless_python_is_it(monkeypatch, tmp_path):
+    """From a venv that is not activated, another terminal's ``python`` may lack the
+    package: the hint then names this interpreter (packaging review)."""
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "venv" / "bin" / "python"))
+    monkeypatch.setattr(_demo.shutil, "which", lambda name: "/usr/bin/python")
+    assert _demo.python_command() == sys.executable
+    assert _demo.watch_hint("j/emb", "redis://h/0").startswith(f"{sys.executable} -m accumulator")
+    monkeypatch.setattr(_demo.shutil, "which", lambda name: sys.executable)
+    assert _demo.python_command() == "python"
