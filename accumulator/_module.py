@@ -11,6 +11,7 @@ see ``lua/apply.lua``. Without it (managed Redis cannot load modules), the taker
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
@@ -21,6 +22,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import time
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -185,6 +187,8 @@ def _build_in(where: Path, sanitize: bool) -> Path:
     digest = hashlib.sha256(src + identity.encode()).hexdigest()[:12]
     target = where / f"{head}{digest}{suffix}.so"
     if _nonempty(target):
+        with contextlib.suppress(OSError):  # (in use: kept by the pruning below)
+            os.utime(target)
         return target
     try:
         where.mkdir(parents=True, exist_ok=True)
@@ -201,7 +205,26 @@ def _build_in(where: Path, sanitize: bool) -> Path:
     except OSError as exc:  # a cache directory we may not write (read-only, not a directory)
         raise _Unwritable(str(exc)) from None
     logger.info("built the accumulator's Redis module: %s", target)
+    _prune(where, keep=target)
     return target
+
+
+#: A build not used for this long is deleted when another is made (each source, compiler
+#: and flags makes its own: upgrades would pile them up).
+PRUNE_AFTER_S = 30 * 24 * 3600
+
+
+def _prune(where: Path, keep: Path) -> None:
+    """Delete the builds in ``where`` not used for :data:`PRUNE_AFTER_S` (a server that
+    loaded one keeps its copy: an unlinked shared object stays mapped)."""
+    cutoff = time.time() - PRUNE_AFTER_S
+    for old in where.glob("accsum-*.so"):
+        try:
+            if old != keep and old.stat().st_mtime < cutoff:
+                old.unlink()
+                logger.info("deleted an unused build of the module: %s", old)
+        except OSError:
+            continue
 
 
 def _nonempty(path: Path) -> bool:

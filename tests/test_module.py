@@ -534,8 +534,8 @@ def test_the_build_is_cached_and_needs_only_a_compiler(tmp_path, monkeypatch):
         pytest.skip("no C compiler")
     first = _module.build(out_dir=tmp_path)
     assert first is not None and first.exists()
-    mtime = first.stat().st_mtime_ns
-    assert _module.build(out_dir=tmp_path) == first and first.stat().st_mtime_ns == mtime
+    inode = first.stat().st_ino  # (a build again would replace the file: another inode)
+    assert _module.build(out_dir=tmp_path) == first and first.stat().st_ino == inode
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     monkeypatch.delenv("CC", raising=False)
     assert shutil.which("cc") is None
@@ -653,6 +653,26 @@ def test_the_cli_says_when_no_compiler_is_the_reason(tmp_path, monkeypatch, caps
     assert main(["module", "build"]) == EXIT_ERROR
     assert "no C compiler found" in capsys.readouterr().err
 
+
+def test_builds_unused_for_a_month_are_deleted_when_another_is_made(tmp_path, monkeypatch):
+    """Each source, compiler and flags makes its own build: upgrades piled them up (21 in
+    one cache, packaging review). A build in use is touched, and kept."""
+    if _module.find_compiler() is None:
+        pytest.skip("no C compiler")
+    month = _module.PRUNE_AFTER_S
+    old = tmp_path / "accsum-000000000000-111111111111.so"
+    recent = tmp_path / "accsum-000000000000-222222222222.so"
+    other = tmp_path / "notes.txt"
+    for path in (old, recent, other):
+        path.write_bytes(b"x")
+    os.utime(old, (time.time() - month - 60,) * 2)
+    os.utime(other, (time.time() - month - 60,) * 2)
+    built = _module.build(out_dir=tmp_path)
+    assert built is not None and built.exists()
+    assert not old.exists() and recent.exists() and other.exists()
+    os.utime(built, (time.time() - month - 60,) * 2)
+    assert _module.build(out_dir=tmp_path) == built  # (a cache hit touches it)
+    assert built.stat().st_mtime > time.time() - 60
 
 def test_the_module_command_takes_no_connection_options(capsys):
     """It does not talk to Redis: its help lists only --json of the global options, and a
