@@ -16,7 +16,7 @@ ACC_DEMO_EXTRAS="demo,hiredis"
 ACC_TEST_EXTRAS="test,demo,hiredis"
 # torch for the tests (acc_install_torch), a CPU build: PyPI's torch wheel for Linux is the
 # CUDA one, several GB with its nvidia-* dependencies. ACC_TORCH= (empty) skips it.
-ACC_TORCH="${ACC_TORCH-torch==2.13.0}"
+ACC_TORCH="${ACC_TORCH-torch==2.13.0+cpu}"
 ACC_TORCH_INDEX="${ACC_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}"
 # Keep pip quiet and non-interactive; the venv makes root's pip warning irrelevant.
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore PIP_NO_INPUT=1
@@ -133,21 +133,22 @@ EOF
     printf '%s %s\n' "$want" "$union" >"$stamp"
 }
 
-# torch for its tests (tests/test_tensors.py and others skip without it), a CPU build: from
-# the wheels pip finds without an index (find-links: a machine that carries them), else from
-# PyTorch's CPU index ($ACC_TORCH_INDEX); neither: the tests run without torch.
+# torch for its tests (tests/test_tensors.py and others skip without it), a CPU build (the
+# "+cpu" version matches no PyPI wheel): from where pip finds packages already (a machine's
+# find-links that carry it), else from PyTorch's CPU index ($ACC_TORCH_INDEX); neither: the
+# tests run without torch.
 acc_install_torch() {
     local py="$ACC_VENV/bin/python"
     [[ -n "$ACC_TORCH" ]] || return 0
     if "$py" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("torch") is None)'; then
         return 0
     fi
-    acc_log "installing $ACC_TORCH (a CPU build) for the tests"
-    if "$py" -m pip install -q --no-index "$ACC_TORCH" 2>/dev/null; then
+    acc_log "installing $ACC_TORCH for the tests"
+    if "$py" -m pip install -q "$ACC_TORCH" 2>/dev/null; then
         return 0
     fi
-    if "$py" -m pip install -q --retries 1 --timeout 30 --index-url "$ACC_TORCH_INDEX" \
-        --extra-index-url https://pypi.org/simple "$ACC_TORCH"; then
+    if "$py" -m pip install -q --retries 1 --timeout 30 --extra-index-url "$ACC_TORCH_INDEX" \
+        "$ACC_TORCH"; then
         return 0
     fi
     acc_log "warning: could not install $ACC_TORCH from local wheels or $ACC_TORCH_INDEX:" \
