@@ -305,9 +305,15 @@ def test_take_with_another_dtype_is_a_signature_mismatch(target, wrong, tf_name)
 
 def test_dtype_spellings_that_match_are_fine(target):
     d = dense(target, dtype=np.float64)
-    for spelling in (np.float64, "float64", np.dtype("float64"), "double", float):
+    for spelling in (np.float64, "float64", np.dtype("float64"), "double"):
         raw_ops.AccumulatorApplyGradient(d, d.global_step(), [1.0, 2.0])
         raw_ops.AccumulatorTakeGradient(d, 1, spelling)
+    f = dense(target, "f")  # (Python's float is TF's float32: tf.as_dtype(float))
+    for spelling in (np.float32, "float32", "float", float):
+        raw_ops.AccumulatorApplyGradient(f, f.global_step(), [1.0, 2.0])
+        raw_ops.AccumulatorTakeGradient(f, 1, spelling)
+    with pytest.raises(InvalidArgumentError, match="^Signature mismatch"):
+        raw_ops.AccumulatorTakeGradient(d, 1, float)
 
 
 def test_dtype_mismatch_with_a_blocked_taker_waiting(target):
