@@ -81,6 +81,19 @@ def _let_go(
             conns.close()
 
 
+#: Forks this process descends from (a child counts one more than its parent did): an
+#: object made before the last one resets its per-process state (AccumulatorBase._after_fork).
+_FORKS = [0]
+
+
+def _count_fork() -> None:
+    _FORKS[0] += 1
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_count_fork)
+
+
 def _collected(conns: Connections, private: tuple[Keys, Identities, int] | None) -> None:
     """An accumulator's finalizer: its share of the connections released where the
     collector runs (no I/O); a private one's keys deleted by the reaper thread, which then
@@ -121,6 +134,7 @@ class AccumulatorBase(AccumulatorModel):
         # pools are shared with other accumulators and stay open)
         self._waits: set[Any] = set()
         self._waits_lock = threading.Lock()
+        self._forks_seen = _FORKS[0]  # (see _after_fork)
         # operations in flight, by thread: close() gives the other threads' time to end
         self._drives: dict[int, int] = {}
         try:
@@ -158,8 +172,20 @@ class AccumulatorBase(AccumulatorModel):
         if detached is not None:  # (not closed before)
             _let_go(*detached[2])
 
+    def _after_fork(self) -> None:
+        """In a child forked from the process that used this object, the parent's operations
+        in flight (its threads, which the child does not have) and waits are not the
+        child's: a close() there waited CLOSE_GRACE for them to end (concurrency review), and
+        the lock may have been held by one of them at the fork. Starts them afresh."""
+        if self._forks_seen != _FORKS[0]:
+            self._forks_seen = _FORKS[0]
+            self._waits_lock = threading.Lock()
+            self._waits = set()
+            self._drives = {}
+
     def _cut_waits(self, cut: set[int]) -> None:
         """Break the waits in progress not cut yet (their ids in ``cut``)."""
+        self._after_fork()
         with self._waits_lock:
             waits = [wait for wait in self._waits if id(wait) not in cut]
         for wait in waits:
@@ -174,16 +200,17 @@ class AccumulatorBase(AccumulatorModel):
     def _drive_begins(self) -> int:
         """Counts an operation in flight in this thread (see :meth:`close`); its id."""
         me = threading.get_ident()
+        self._after_fork()
         with self._waits_lock:
             self._drives[me] = self._drives.get(me, 0) + 1
         return me
 
     def _drive_ends(self, me: int) -> None:
         with self._waits_lock:
-            if self._drives[me] > 1:
+            if self._drives.get(me, 0) > 1:
                 self._drives[me] -= 1
             else:
-                del self._drives[me]
+                self._drives.pop(me, None)  # (begun before a fork: not counted here)
 
     @contextlib.contextmanager
     def _driving(self) -> Iterator[None]:
@@ -198,6 +225,7 @@ class AccumulatorBase(AccumulatorModel):
         """Whether an operation is in flight in another thread than this one (a close() in
         the middle of an operation of its own thread, a signal handler's, waits for none)."""
         me = threading.get_ident()
+        self._after_fork()
         with self._waits_lock:
             return any(thread != me for thread in self._drives)
 

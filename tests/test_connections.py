@@ -395,3 +395,45 @@ def test_a_cluster_url_with_a_database_is_refused_our_way(path: str) -> None:
     with pytest.raises(accumulator.InvalidArgumentError, match="database 0 only"):
         accumulator.ConditionalAccumulator(np.float32, (2,), shared_name="x",
                                            client=f"redis+cluster://127.0.0.1:1{path}")  # fmt: skip
+
+
+def test_a_forked_childs_close_waits_for_none_of_the_parents_operations(real_url: str) -> None:
+    """The child inherits the object's record of the parent's operations in flight (a take
+    waiting in another thread): its close() waited the whole grace period for threads it
+    does not have, and warned (concurrency review)."""
+    import logging
+    import os
+
+    acc = accumulator.ConditionalAccumulator(np.float32, (3,), shared_name="fork",
+                                             client=real_url)  # fmt: skip
+    waiting = threading.Thread(target=lambda: pytest.raises(Exception, acc.take_grad, 1),
+                               daemon=True)  # fmt: skip
+    waiting.start()
+    deadline = time.monotonic() + 10
+    while not acc._drives and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert acc._drives, "the take never began"
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report whether close() warned, then leave at once
+        try:
+            seen: list[str] = []
+
+            class Catch(logging.Handler):
+                def emit(self, record: logging.LogRecord) -> None:
+                    seen.append(record.getMessage())
+
+            logging.getLogger("accumulator").addHandler(Catch())
+            acc.close()
+            os.write(write, b"warned" if any("still running" in m for m in seen) else b"ok")
+        finally:
+            os._exit(0)
+    os.close(write)
+    try:
+        with os.fdopen(read, "rb") as pipe:
+            assert pipe.read() == b"ok"
+        os.waitpid(pid, 0)
+        assert waiting.is_alive()  # the parent's take still waits
+    finally:
+        acc.close()
+        waiting.join(10)
