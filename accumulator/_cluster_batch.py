@@ -14,6 +14,7 @@ from typing import Any
 
 import redis
 
+from . import _forks
 from ._requests import Batch
 from ._routing import (
     by_node,
@@ -54,6 +55,7 @@ def on_nodes(
 
 _THREADS: tuple[int, ThreadPoolExecutor] | None = None  # (the pid that made them, them)
 _THREADS_LOCK = threading.Lock()
+_forks.renew_lock_after_fork(globals(), "_THREADS_LOCK")
 
 
 def node_threads() -> ThreadPoolExecutor:

@@ -20,12 +20,13 @@ from redis.retry import Retry
 from redis.sentinel import SentinelConnectionPool
 
 from . import _retry as retrying
+from . import _shares
 from ._cluster_client import cluster_client
 from ._errors import PermissionDeniedError
 from ._packer import _PACKER
 from ._retry import RETRY_WINDOW
 from ._routing import raise_slot_moving
-from ._shares import _LOCK, _SHARED, Connections, _Entry, _release_deferred
+from ._shares import _SHARED, Connections, _Entry, _release_deferred
 from ._urls import (
     CONNECT_TIMEOUT,
     LOGIN_REFUSED,
@@ -346,7 +347,7 @@ def connect(client: Client, retry_window: float = RETRY_WINDOW) -> Connections:
         _check_client(client)
         raise AssertionError  # _check_client raised
     origin: object = None if isinstance(client, str) else getattr(client, "connection_pool", client)
-    with _LOCK:
+    with _shares._LOCK:
         entry = _SHARED.get(key)
         if entry is not None and entry.origin is origin:
             entry.users += 1
@@ -355,7 +356,7 @@ def connect(client: Client, retry_window: float = RETRY_WINDOW) -> Connections:
     # learns its nodes now: that is retried as every command is
     commands, blocking = retrying.call(lambda: _new(client), "connecting to Redis",
                                      window=retry_window)  # fmt: skip
-    with _LOCK:
+    with _shares._LOCK:
         entry = _SHARED.get(key)
         if entry is None or entry.origin is not origin:
             _SHARED[key] = _Entry(commands, blocking, 1, origin)

@@ -20,7 +20,7 @@ import redis
 from redis.client import PubSub
 from redis.exceptions import NoScriptError, ResponseError
 
-from . import _private, _reaper, _retry, _scripts, _take
+from . import _forks, _private, _reaper, _retry, _scripts, _take
 from ._cluster_batch import by_node_batch, each, is_script, on_node, per_node
 from ._connection import CLOSE_GRACE, CLUSTER_WAIT_SLICE, Client, connect
 from ._direct import execute_batch, pooled
@@ -81,19 +81,6 @@ def _let_go(
             conns.close()
 
 
-#: Forks this process descends from (a child counts one more than its parent did): an
-#: object made before the last one resets its per-process state (AccumulatorBase._after_fork).
-_FORKS = [0]
-
-
-def _count_fork() -> None:
-    _FORKS[0] += 1
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_count_fork)
-
-
 def _collected(conns: Connections, private: tuple[Keys, Identities, int] | None) -> None:
     """An accumulator's finalizer: its share of the connections released where the
     collector runs (no I/O); a private one's keys deleted by the reaper thread, which then
@@ -134,7 +121,7 @@ class AccumulatorBase(AccumulatorModel):
         # pools are shared with other accumulators and stay open)
         self._waits: set[Any] = set()
         self._waits_lock = threading.Lock()
-        self._forks_seen = _FORKS[0]  # (see _after_fork)
+        self._forks_seen = _forks.COUNT[0]  # (see _after_fork)
         # operations in flight, by thread: close() gives the other threads' time to end
         self._drives: dict[int, int] = {}
         try:
@@ -177,8 +164,8 @@ class AccumulatorBase(AccumulatorModel):
         in flight (its threads, which the child does not have) and waits are not the
         child's: a close() there waited CLOSE_GRACE for them to end (concurrency review), and
         the lock may have been held by one of them at the fork. Starts them afresh."""
-        if self._forks_seen != _FORKS[0]:
-            self._forks_seen = _FORKS[0]
+        if self._forks_seen != _forks.COUNT[0]:
+            self._forks_seen = _forks.COUNT[0]
             self._waits_lock = threading.Lock()
             self._waits = set()
             self._drives = {}

@@ -12,6 +12,8 @@ from typing import Any
 
 import redis
 
+from . import _forks
+
 
 @dataclass
 class Connections:
@@ -78,6 +80,7 @@ class _Entry:
 #: accumulator is one user; closing it releases its share.
 _SHARED: dict[object, _Entry] = {}
 _LOCK = threading.Lock()
+_forks.renew_lock_after_fork(globals(), "_LOCK")
 #: Shares let go of by a finalizer while the lock was held (see Connections.close_collected)
 _DEFERRED: list[Connections] = []
 

@@ -406,8 +406,9 @@ def test_a_forked_childs_close_waits_for_none_of_the_parents_operations(real_url
 
     acc = accumulator.ConditionalAccumulator(np.float32, (3,), shared_name="fork",
                                              client=real_url)  # fmt: skip
-    waiting = threading.Thread(target=lambda: pytest.raises(Exception, acc.take_grad, 1),
-                               daemon=True)  # fmt: skip
+    waiting = threading.Thread(
+        target=lambda: pytest.raises(accumulator.CancelledError, acc.take_grad, 1), daemon=True
+    )
     waiting.start()
     deadline = time.monotonic() + 10
     while not acc._drives and time.monotonic() < deadline:
@@ -437,3 +438,42 @@ def test_a_forked_childs_close_waits_for_none_of_the_parents_operations(real_url
     finally:
         acc.close()
         waiting.join(10)
+
+
+def test_a_child_forked_while_a_thread_held_the_shared_clients_lock_can_connect(
+    real_url: str,
+) -> None:
+    """A parent thread held the lock of the shared clients (opening or closing an
+    accumulator) at the fork: the child's first connect() waited for a thread it does not
+    have, forever (concurrency review: 12 of 30 amplified forks hung)."""
+    import os
+    import signal
+
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with _shares._LOCK:
+            held.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=hold, daemon=True)
+    holder.start()
+    assert held.wait(10)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            signal.alarm(10)  # hung: killed by SIGALRM, which the parent sees
+            acc = accumulator.ConditionalAccumulator(np.float32, (3,), shared_name="forked",
+                                                     client=real_url)  # fmt: skip
+            acc.apply_grad(np.ones(3, np.float32))
+            acc.close()
+        finally:
+            os._exit(0)
+    release.set()
+    holder.join(10)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"child status {status}"
+    probe = accumulator.ConditionalAccumulator(np.float32, (3,), shared_name="forked",
+                                               client=real_url)  # fmt: skip
+    assert probe.num_accumulated() == 1
+    probe.close()

@@ -22,7 +22,7 @@ from redis.asyncio.sentinel import SentinelConnectionPool as AsyncSentinelPool
 from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
 from redis.exceptions import ResponseError
 
-from .. import _scripts
+from .. import _forks, _scripts
 from .._cluster_client import node_settings, require_cluster_client, tls_settings
 from .._connection import blocking_timeout, cluster_timeouts, retry_extras, sentinel_pool_like
 from .._direct import as_pipeline_reply, direct, direct_pool
@@ -81,6 +81,7 @@ class _Entry:
 #: connection belongs to the loop that opened it).
 _SHARED: dict[object, _Entry] = {}
 _LOCK = threading.Lock()
+_forks.renew_lock_after_fork(globals(), "_LOCK")
 
 
 _RETRY_EXTRA = retry_extras(Retry)  # (redis.asyncio's Retry)

@@ -20,6 +20,7 @@ from typing import Any
 import redis
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 
+from .. import _forks
 from .._cluster_client import twin_cluster
 from .._connection import twin_client
 from .._requests import Receive, ReceiveAll
@@ -31,6 +32,7 @@ _ATTR = "_accumulator_reader"
 _NONE = object()  # kept on a client that has no twin
 _CLOSED = object()  # kept on a closed client: no twin is made for it any more
 _LOCK = threading.Lock()  # guards the attribute only: nothing is sent while it is held
+_forks.renew_lock_after_fork(globals(), "_LOCK")
 
 
 def _twin(client: Any) -> Any:
