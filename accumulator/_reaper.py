@@ -8,10 +8,11 @@ answer; a blocking pool whose connections that thread holds waits out its whole 
 would stall that thread. A finalizer hands the work to this module instead; one daemon
 thread does it, in order.
 
-At exit, work still queued is done before the interpreter goes, on the exiting thread (and
-the finalizers that ``weakref.finalize`` runs at exit do theirs at once): a daemon thread is
-stopped mid-work when the interpreter ends. A forked child starts with an empty queue: the
-parent's work is the parent's.
+At exit, the work queued (and that of the finalizers ``weakref.finalize`` runs at exit) is
+waited for, :data:`EXIT_WAIT` seconds in all: a daemon thread is stopped mid-work when the
+interpreter ends, and a Redis that does not answer would otherwise hold the exit a socket
+timeout per private accumulator (what is left expires). A forked child starts with an empty
+queue: the parent's work is the parent's.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -28,11 +30,11 @@ logger = logging.getLogger("accumulator")
 
 _Job = tuple[Callable[..., Any], tuple[Any, ...]]
 
-#: How long the exit waits for the job the reaper thread is doing, in seconds.
+#: How long the exit waits for the reaper's work, in all, in seconds.
 EXIT_WAIT = 5.0
 
 _QUEUE: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()  # (put(): safe in a finalizer)
-_STATE: dict[str, Any] = {"thread": None, "exiting": False}
+_STATE: dict[str, Any] = {"thread": None, "exiting": False, "deadline": 0.0}
 _START = threading.Lock()
 
 
@@ -40,7 +42,7 @@ def submit(fn: Callable[..., Any], *args: Any) -> None:
     """Run ``fn(*args)`` on the reaper thread, soon; at exit, at once. Takes no lock another
     thread may hold (safe from a finalizer); errors are logged, never raised."""
     if _STATE["exiting"]:
-        _run(fn, args)
+        _wait_before_exit(fn, args)
         return
     _QUEUE.put((fn, args))
     try:
@@ -91,14 +93,30 @@ def _run(fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
 
 
 def _at_exit() -> None:
-    """From now on, submitted work runs at once; what is queued runs here, and the job the
-    thread is doing is waited for (up to :data:`EXIT_WAIT`)."""
+    """Wait for the queued work, until the exit's deadline (:data:`EXIT_WAIT` from now);
+    work submitted from now on is waited for until the same deadline."""
+    _STATE["deadline"] = time.monotonic() + EXIT_WAIT
     _STATE["exiting"] = True
-    _drain()
-    thread = _STATE["thread"]
-    if thread is not None and thread.is_alive():
-        _QUEUE.put(None)
-        thread.join(EXIT_WAIT)
+    _wait_before_exit(lambda: None, ())
+
+
+def _wait_before_exit(fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+    """Queue ``fn(*args)`` behind the work queued, and wait for it until the deadline."""
+    done = threading.Event()
+
+    def job() -> None:
+        try:
+            _run(fn, args)
+        finally:
+            done.set()
+
+    _QUEUE.put((job, ()))
+    try:
+        _ensure_thread()
+    except RuntimeError:  # no new thread at this stage of the shutdown: done here
+        _drain()
+        return
+    done.wait(max(0.0, _STATE["deadline"] - time.monotonic()))
 
 
 def _drain() -> None:

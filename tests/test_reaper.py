@@ -85,3 +85,51 @@ def test_private_accumulators_are_deleted_at_exit(real_url: str) -> None:
     r = redis.Redis.from_url(real_url)
     for base in bases:
         assert not list(r.scan_iter(match=f"{base}*")), base
+
+
+_FROZEN_AT_EXIT = """
+import sys
+import numpy as np
+import accumulator
+
+accs = [accumulator.ConditionalAccumulator(np.float32, (3,), client=sys.argv[1])
+        for _ in range(int(sys.argv[2]))]  # private, alive at exit
+for acc in accs:
+    acc.apply_grad(np.ones(3, np.float32))
+print("ready", flush=True)
+sys.stdin.readline()  # the test freezes Redis, then lets the process end
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.real
+def test_the_exit_waits_a_bounded_time_for_a_redis_that_does_not_answer() -> None:
+    """Four private accumulators alive at exit, Redis frozen (a paused VM, a partition that
+    drops packets): each deletion waited out the 30 s socket timeout, one after another
+    (concurrency review: 60 s for four). The exit waits EXIT_WAIT in all; the keys are left
+    to expire."""
+    import os
+    import signal
+    import time
+
+    from accumulator.testing import RedisServer, find_server_binary
+
+    if find_server_binary() is None:
+        pytest.skip("no redis-server binary")
+    with RedisServer(module=False) as server:
+        command = [sys.executable, "-c", textwrap.dedent(_FROZEN_AT_EXIT), server.url, "4"]
+        proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)  # fmt: skip
+        try:
+            assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+            assert server.pid is not None
+            os.kill(server.pid, signal.SIGSTOP)
+            started = time.monotonic()
+            proc.communicate("go\n", timeout=60)
+            took = time.monotonic() - started
+        finally:
+            if server.pid is not None:
+                os.kill(server.pid, signal.SIGCONT)
+            proc.kill()
+        assert proc.returncode == 0
+        assert took < _reaper.EXIT_WAIT + 10, f"the exit took {took:.1f}s"
