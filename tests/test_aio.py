@@ -714,6 +714,24 @@ def test_an_object_used_in_a_second_event_loop_says_so(target):
         assert sync.num_accumulated() == 1  # the second apply sent nothing
 
 
+def test_a_private_object_closed_in_a_second_event_loop_deletes_its_keys(target, caplog):
+    """``asyncio.run(acc.aclose())`` after the loop that used it ended: it returned, having
+    deleted nothing (the error logged at DEBUG only) and closed nothing (concurrency
+    review). Its keys are deleted through this loop's connections now, and it says so."""
+    acc = aio.ConditionalAccumulator(np.float32, (3,), client=aclient(target))
+
+    async def apply() -> str:
+        await acc.apply_grad([1.0, 2.0, 3.0])
+        return acc._keys.base
+
+    base = run(apply)
+    assert list(target.redis().scan_iter(match=f"{base}*"))
+    with caplog.at_level(logging.WARNING, logger="accumulator"):
+        run(acc.aclose)
+    assert "another event loop" in caplog.text
+    assert not list(target.redis().scan_iter(match=f"{base}*"))
+    run(acc.aclose)  # (again: nothing left to do)
+
 def test_a_closed_object_given_bad_input_says_it_is_closed_in_both_twins(target):
     """The sync class checked the input first (InvalidArgumentError), the asyncio twin the
     closed object (asyncio review): both say closed now."""

@@ -54,6 +54,11 @@ class AsyncConnections:
     _key: object = None
     _released: bool = False
 
+    def let_go(self) -> None:
+        """Release this share (once) without closing anything: from another event loop than
+        the clients', which can be neither used nor closed there (they go with their loop)."""
+        release(self, _SHARED, _LOCK)
+
     async def close(self) -> None:
         """Release this share (once); the pools close with the last share."""
         if not release(self, _SHARED, _LOCK):

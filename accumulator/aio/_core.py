@@ -186,6 +186,9 @@ class AccumulatorBase(AccumulatorModel):
         conns, self._conns = self._conns, None
         if conns is None:
             return
+        if asyncio.get_running_loop() is not self._loop:
+            await self._aclose_elsewhere(conns)
+            return
         for wait in list(self._waits):
             try:
                 if isinstance(wait, aioredis.client.PubSub):
@@ -209,6 +212,27 @@ class AccumulatorBase(AccumulatorModel):
                          exc_info=True)  # fmt: skip
         finally:
             await conns.close()
+
+    async def _aclose_elsewhere(self, conns: AsyncConnections) -> None:
+        """:meth:`aclose` in another event loop than the one that opened the accumulator
+        (``asyncio.run()`` called again): that loop's connections can be neither used nor
+        closed here. The share of them is let go (they go with their loop), and a private
+        accumulator's keys are deleted through connections of this loop (concurrency
+        review: nothing was deleted, and the failure was logged at DEBUG only)."""
+        logger.warning("closing the asyncio accumulator %r in another event loop than the "
+                       "one that opened it (asyncio.run() called again?)", self._shared_name)
+        conns.let_go()
+        if not self._owns_private_keys():
+            return
+        here = connect(self._client)
+        try:
+            ops = _private.delete_ops(self._keys, list(self._identities.client_ids))
+            await _run_plain(here.commands, ops)
+        except Exception:  # noqa: BLE001 - best effort at close time (the keys expire)
+            logger.debug("could not delete private accumulator %s", self._keys.base,
+                         exc_info=True)  # fmt: skip
+        finally:
+            await here.close()
 
     async def close(self) -> None:
         """The same as :meth:`aclose` (a coroutine, as every method here: ``await
