@@ -203,6 +203,11 @@ class AccumulatorBase(AccumulatorModel):
         if self._drives:
             logger.warning("closing %r with an operation still running after %gs",
                            self._shared_name, CLOSE_GRACE)  # fmt: skip
+        await self._delete_private_keys(conns)
+
+    async def _delete_private_keys(self, conns: AsyncConnections) -> None:
+        """A private accumulator's keys deleted through ``conns`` (best effort: what is left
+        expires), then ``conns`` closed."""
         try:
             if self._owns_private_keys():
                 ops = _private.delete_ops(self._keys, list(self._identities.client_ids))
@@ -222,17 +227,8 @@ class AccumulatorBase(AccumulatorModel):
         logger.warning("closing the asyncio accumulator %r in another event loop than the "
                        "one that opened it (asyncio.run() called again?)", self._shared_name)
         conns.let_go()
-        if not self._owns_private_keys():
-            return
-        here = connect(self._client)
-        try:
-            ops = _private.delete_ops(self._keys, list(self._identities.client_ids))
-            await _run_plain(here.commands, ops)
-        except Exception:  # noqa: BLE001 - best effort at close time (the keys expire)
-            logger.debug("could not delete private accumulator %s", self._keys.base,
-                         exc_info=True)  # fmt: skip
-        finally:
-            await here.close()
+        if self._owns_private_keys():
+            await self._delete_private_keys(connect(self._client))
 
     async def close(self) -> None:
         """The same as :meth:`aclose` (a coroutine, as every method here: ``await
