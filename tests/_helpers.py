@@ -17,6 +17,22 @@ from accumulator._urls import cluster_url
 #: How long something that should happen promptly may take (generous: 2 shared cores).
 PROMPT = 5.0
 
+#: Checks made on the client before anything is sent: one backend shows them.
+fake_only = pytest.mark.parametrize("target", ["fake"], indirect=True)
+
+
+def sync_job(target: Any, params: dict[str, Any], sparse: Any = (), **kw: Any) -> Any:
+    """A one-worker sync job on ``params`` (``sparse``: the sparse ones; ``kw``: more
+    ``ParameterServer`` options): (chief, worker, the step the worker pulled)."""
+    from accumulator.sync import ParameterServer, Worker
+
+    ps = ParameterServer("job", replicas_to_aggregate=1, sparse=set(sparse),
+                         client=target.client(), **kw)  # fmt: skip
+    ps.initialize(params)
+    worker = Worker("job", worker_id="w0", client=target.client())
+    step, _ = worker.pull(timeout=5)
+    return ps, worker, step
+
 
 def connect(url: str, **kwargs: Any) -> Any:
     """A plain client of a test server's URL: a ``RedisCluster`` for a ``redis+cluster://``

@@ -8,14 +8,10 @@ import asyncio
 
 import numpy as np
 import pytest
-from _helpers import aclient
+from _helpers import aclient, fake_only, sync_job
 
 import accumulator
 from accumulator import aio
-from accumulator.sync import ParameterServer, Worker
-
-#: Checks made on the client before anything is sent: one backend shows them.
-fake_only = pytest.mark.parametrize("target", ["fake"], indirect=True)
 
 _IDS = np.array([[1, 7], [3, 8]])  # int64; its column 0, [1, 3], is sorted, unique, strided
 
@@ -44,11 +40,8 @@ def test_sparse_indices_given_as_a_strided_view(target, rows):
 
 def test_a_sync_push_with_strided_sparse_rows_applies_every_parameter(target):
     """It applied the dense parameters, then failed on the sparse one: a half-applied push."""
-    ps = ParameterServer("job", replicas_to_aggregate=1, sparse={"emb"}, fusion_bytes=0,
-                         client=target.client())  # fmt: skip
-    ps.initialize({"a": np.zeros(2, np.float32), "emb": np.zeros((10, 2), np.float32)})
-    worker = Worker("job", worker_id="w0", client=target.client())
-    step, _ = worker.pull(timeout=5)
+    params = {"a": np.zeros(2, np.float32), "emb": np.zeros((10, 2), np.float32)}
+    ps, worker, step = sync_job(target, params, {"emb"}, fusion_bytes=0)
     grads = {"a": np.ones(2, np.float32), "emb": (_IDS[:, 0], np.ones((2, 2), np.float32))}
     assert worker.push(step, grads) == {"a": True, "emb": True}
     ps.step(1.0, timeout=5)

@@ -8,29 +8,19 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import pytest
+from _helpers import fake_only, sync_job
 
 import accumulator
-from accumulator.sync import ParameterServer, Worker
+from accumulator.sync import ParameterServer
 
 torch = pytest.importorskip("torch")
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
-#: Checks made on the client before anything is sent: one backend shows them.
-fake_only = pytest.mark.parametrize("target", ["fake"], indirect=True)
-
-
-def _job(target, params, sparse=()):
-    ps = ParameterServer("job", replicas_to_aggregate=1, sparse=set(sparse),
-                         client=target.client())  # fmt: skip
-    ps.initialize(params)
-    worker = Worker("job", worker_id="w0", client=target.client())
-    step, _ = worker.pull(timeout=5)
-    return ps, worker, step
 
 
 def test_a_sync_push_of_sparse_rows_as_a_pair_of_torch_tensors(target):
     # the README's (rows, values) pair, as torch tensors (np.size(tensor) was Tensor.size)
-    ps, worker, step = _job(target, {"emb": np.zeros((10, 4), np.float32)}, {"emb"})
+    ps, worker, step = sync_job(target, {"emb": np.zeros((10, 4), np.float32)}, {"emb"})
     assert worker.push(step, {"emb": (torch.tensor([1, 3]), torch.ones(2, 4))}) == {"emb": True}
     ps.step(1.0, timeout=5)
     want = np.zeros((10, 4), np.float32)
@@ -45,7 +35,7 @@ def test_a_sync_push_of_an_embeddings_sparse_gradient(target):
     # .indices and .values are methods (they were taken for the rows and values)
     emb = torch.nn.Embedding(10, 4, sparse=True)
     emb(torch.tensor([1, 1, 3])).sum().backward()
-    ps, worker, step = _job(target, {"emb": emb.weight}, {"emb"})
+    ps, worker, step = sync_job(target, {"emb": emb.weight}, {"emb"})
     before = ps.params["emb"]
     assert worker.push(step, {"emb": emb.weight.grad}) == {"emb": True}
     ps.step(1.0, timeout=5)
@@ -59,7 +49,7 @@ def test_a_sync_push_of_an_embeddings_sparse_gradient(target):
 
 @fake_only
 def test_a_sync_job_of_torch_bfloat16_parameters_and_updates(target):
-    ps, worker, step = _job(target, {"w": torch.zeros(4, dtype=torch.bfloat16,
+    ps, worker, step = sync_job(target, {"w": torch.zeros(4, dtype=torch.bfloat16,
                                                       requires_grad=True)})  # fmt: skip
     assert ps.params["w"].dtype == BF16
     worker.push(step, {"w": torch.ones(4, dtype=torch.bfloat16)})
@@ -72,7 +62,7 @@ def test_a_sync_job_of_torch_bfloat16_parameters_and_updates(target):
 @fake_only
 def test_an_update_of_a_bfloat16_parameter_that_returns_complex_is_refused(target):
     # as for float32 parameters: ml_dtypes' own cast rule would drop the imaginary part
-    ps, worker, step = _job(target, {"w": np.zeros(3, BF16)})
+    ps, worker, step = sync_job(target, {"w": np.zeros(3, BF16)})
     worker.push(step, {"w": np.ones(3, BF16)})
     with pytest.raises(accumulator.InvalidArgumentError, match="complex"):
         ps.step(lambda p, g, s: {"w": p["w"].astype(np.float32) + 1j}, timeout=5)
