@@ -19,6 +19,7 @@ from . import _chunks, _identities, _model, _scripts
 from ._codec import to_payload
 from ._durability import Durability
 from ._errors import (
+    AccumulatorError,
     FailedPreconditionError,
     InvalidArgumentError,
     NotDurableError,
@@ -77,7 +78,6 @@ def apply(
                         "sending it again", acc._shared_name)  # fmt: skip
             sent = yield from _send(acc, payload, shape_token, local_step, first_error,
                                     ident.client_id, ident.seq)  # fmt: skip
-        reply, blob, inline, acked, garbage, rewritten = sent
     except BaseException as exc:
         if isinstance(exc, UnavailableError) and not isinstance(exc, NotDurableError):
             # Redis may still run the copy it received: the outcome is unknown. The identity
@@ -85,6 +85,17 @@ def apply(
             # the same apply made again is then counted once.
             held = True
             acc._identities.hold(ident, _identities.apply_fingerprint(key, payload), key)
+        elif not definite(exc):
+            # Interrupted (Ctrl-C, SystemExit from a SIGTERM handler, what a signal handler
+            # raised) while the apply was in flight, or in the retry wait of a lost reply:
+            # Redis may have counted it. Held and settled at once (parts deleted if not
+            # counted; fenced: a copy Redis has yet to run is never counted), so that the
+            # same apply made again is counted once (interrupt review: a retry counted it
+            # twice). Closed mid-flight (GeneratorExit), no I/O: the next apply settles it.
+            held = True
+            acc._identities.hold(ident, _identities.apply_fingerprint(key, payload), key)
+            if not isinstance(exc, GeneratorExit):
+                yield from _settle_now(acc)
         elif nbytes > _model.INLINE_MAX_BYTES and not acc.spreads_parts:
             yield from _withdraw(acc, ident.client_id, ident.seq, nbytes)
         elif spread and isinstance(exc, _REFUSED):
@@ -95,7 +106,43 @@ def apply(
     finally:
         if not held:
             acc._identities.release(ident)
-    code = int(reply[0])
+    code = int(sent[0][0])
+    try:
+        return (yield from _complete(acc, nbytes, local_step, sent, code))
+    except BaseException as exc:
+        if code == 1 and not definite(exc):
+            # counted, then interrupted (in the folds, say): the same apply made again is
+            # answered as counted, not sent again
+            acc._identities.remember(_identities.apply_fingerprint(key, payload), True, key)
+        raise
+
+
+def definite(exc: BaseException) -> bool:
+    """Whether an exception raised where an apply's request was in flight says for sure what
+    became of it: ours (refusals; :class:`UnavailableError` aside, whose outcome is unknown)
+    and Redis's error replies. Anything else (an interrupt, what a signal handler raised, the
+    step closed) came while Redis may have run the request."""
+    if isinstance(exc, UnavailableError):
+        return isinstance(exc, NotDurableError)
+    return isinstance(exc, AccumulatorError | ResponseError)
+
+
+def _settle_now(acc: AccumulatorModel) -> Ops[None]:
+    """Settle the applies held, in one try (an interrupted caller is not kept waiting for a
+    Redis that does not answer: they stay held, for the next apply to settle)."""
+    try:
+        yield from settle_held(acc, window=0.0)
+    except Exception:  # noqa: BLE001 - the interrupt is what the caller gets
+        logger.debug("apply_grad on %r: settling the interrupted apply failed; the next apply "
+                     "settles it", acc._shared_name, exc_info=True)  # fmt: skip
+
+
+def _complete(
+    acc: AccumulatorModel, nbytes: int, local_step: int, sent: tuple[Any, ...], code: int
+) -> Ops[tuple[int, Any]]:
+    """What an apply does once its script answered: clean-up, the folds, the durability
+    check; its (code, detail)."""
+    reply, blob, inline, acked, garbage, rewritten = sent
     if garbage or (acc.spreads_parts and not inline and code != 1):
         # dropped (stale, refused: the script leased its parts to us) and what was swept
         mine = [] if code == 1 else [b"x" + acc._keys.spread_entry(blob, nbytes)]
@@ -221,7 +268,7 @@ def _unlink_rewritten(acc: AccumulatorModel, parts: list[bytes]) -> Ops[None]:
                      acc._shared_name, exc_info=True)  # fmt: skip
 
 
-def settle_held(acc: AccumulatorModel) -> Ops[None]:
+def settle_held(acc: AccumulatorModel, window: float | None = None) -> Ops[None]:
     """Settle the applies of unknown outcome this object holds, before it makes another:
     ``lua/withdraw.lua`` with a fence. Counted, they stay counted; not, they never will be (a
     copy Redis runs later is answered as a retry). Idempotent: another thread or task settling
@@ -233,7 +280,8 @@ def settle_held(acc: AccumulatorModel) -> Ops[None]:
         try:
             judged = int((yield Call("apply_grad (settling an earlier apply)", "withdraw",
                                      [k.state, k.dedup(cid), k.blob(cid, seq)],
-                                     [seq, ident.key.nbytes, DEDUP_TTL_MS])))  # fmt: skip
+                                     [seq, ident.key.nbytes, DEDUP_TTL_MS],
+                                     window=window)))  # fmt: skip
         except ConnectionError:  # (UnavailableError too: Redis unreachable) still held
             raise
         except Exception:  # noqa: BLE001 - the new apply is what the caller asked for

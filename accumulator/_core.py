@@ -14,6 +14,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
+from inspect import GEN_CLOSED, getgeneratorstate
 from typing import Any, TypeVar, cast
 
 import redis
@@ -250,14 +251,19 @@ class AccumulatorBase(AccumulatorModel):
         me = self._drive_begins()  # (not a context manager: ~1 us less per operation)
         try:
             while True:
-                done, request = advance(ops, reply, error)
-                if done:
-                    return request  # type: ignore[no-any-return]
-                reply, error = None, None
                 try:
+                    done, request = advance(ops, reply, error)
+                    if done:
+                        return request  # type: ignore[no-any-return]
+                    reply, error = None, None
                     reply = self._do(request)
                 except BaseException as exc:  # noqa: BLE001 - the protocol decides what to do
-                    error = exc
+                    if getgeneratorstate(ops) == GEN_CLOSED:  # raised by the step: it ended
+                        raise
+                    # a request's failure, or an interrupt between two requests (interrupt
+                    # review: one landing there abandoned a take whose finish had run, and
+                    # the round with it): thrown into the step
+                    reply, error = None, exc
         finally:
             self._drive_ends(me)
 

@@ -123,6 +123,12 @@ class Identities:
                 self._outcomes[ident.unsettled] = (counted, time.monotonic(), ident.key)
         self.release(ident)
 
+    def remember(self, fingerprint: bytes, counted: bool, key: ApplyKey) -> None:
+        """Keep the outcome of an apply the caller did not learn (it was interrupted after
+        Redis answered), so that the same apply made again is answered from it."""
+        with self._lock:
+            self._outcomes[fingerprint] = (counted, time.monotonic(), key)
+
     def outcome(self, key: ApplyKey, fingerprint: Callable[[], bytes]) -> bool | None:
         """Whether a settled apply like this one (its key, then its
         ``fingerprint()``, computed only when the key matches one) was counted (taken from the

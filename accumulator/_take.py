@@ -19,6 +19,7 @@ from numbers import Real
 from typing import Any, Protocol, TypeVar
 
 import numpy as np
+from redis.exceptions import ResponseError
 
 from . import _chunks, _model, _scripts
 from ._apply import committed, discard, sweep
@@ -212,6 +213,10 @@ def take(
     return result
 
 
+#: A finish interrupted more often than this raises the first interrupt (the round's fate
+#: unknown, as when Redis does not answer): what keeps coming is a fault, not a user.
+MAX_FINISH_INTERRUPTS = 16
+
 #: At most this many takers whose withdraw failed an object keeps, to withdraw at its next take.
 MAX_UNWITHDRAWN = 16
 
@@ -282,9 +287,11 @@ def _settled_finish(
     round is then this take's and nobody else's, and giving up (the cleanup finds no claim to
     give back) lost every gradient of it (sparse review). It is asked again (a retried finish
     is answered for two minutes) for :data:`FINISH_SETTLE_SECONDS`; an interrupt that came
-    meanwhile is held: the take returns its round, and the object's next call raises it."""
+    meanwhile (any exception that is not the finish's answer) is held: the take returns its
+    round, and the object's next call raises it."""
     started = time.monotonic()
     held: BaseException | None = None
+    interrupts = 0
     while True:
         try:
             yield from _finish(acc, taker, claim_key, blob_keys)
@@ -304,11 +311,19 @@ def _settled_finish(
                 raise unknown from exc
             logger.warning("take_grad on %r: its finish may have run, Redis does not answer; "
                            "asking again", acc._shared_name)  # fmt: skip
-        except KeyboardInterrupt as exc:
+        except (AccumulatorError, ResponseError, GeneratorExit):
+            raise  # (the finish's answer: the lease had run out, say; or the step closed)
+        except BaseException as exc:
+            # An interrupt: Ctrl-C, SystemExit from a SIGTERM handler, what a signal handler
+            # raised (interrupt review: all but Ctrl-C lost the round)
+            interrupts += 1
+            if held is not None and interrupts > MAX_FINISH_INTERRUPTS:
+                raise held from exc  # (not an interrupt, then: a fault of its own)
             held = held or exc
-            logger.warning("take_grad on %r: interrupted while its finish was in flight: it "
-                           "completes first (the round is returned; the accumulator's next "
-                           "call raises the interrupt)", acc._shared_name)  # fmt: skip
+            logger.warning("take_grad on %r: interrupted (%s) while its finish was in flight: "
+                           "it completes first (the round is returned; the accumulator's next "
+                           "call raises the interrupt)", acc._shared_name,
+                           type(exc).__name__)  # fmt: skip
     if held is not None:
         acc._held_interrupt = held
 

@@ -68,7 +68,7 @@ def _run_steps(
             if pending:
                 feed = _serve(steps, pending)
         except BaseException as exc:
-            _interrupt(steps, [i for i, o in enumerate(outcomes) if o is None], exc)
+            _interrupt(steps, outcomes, exc, on_outcome)
             raise
     return [o for o in outcomes if o is not None]
 
@@ -161,10 +161,21 @@ def _pipelined(acc: AccumulatorBase, calls: list[Call]) -> list[tuple[Any, BaseE
 
 
 def _interrupt(
-    steps: Sequence[tuple[AccumulatorBase, Ops[Any]]], unfinished: list[int], exc: BaseException
-) -> None:
-    """Throw an interrupt into every unfinished step and let each clean up on its own."""
-    for i in unfinished:
+    steps: Sequence[tuple[AccumulatorBase, Ops[Any]]], outcomes: list[Outcome | None],
+    exc: BaseException, on_outcome: Callable[[int, Outcome], None] | None,
+) -> None:  # fmt: skip
+    """Throw an interrupt into every unfinished step and let each clean up on its own. A step
+    that ends anyway (a take whose finish was in flight completes, and returns its round) is
+    an outcome like any other (interrupt review: a sync chief dropped those rounds), and the
+    interrupt it held for its accumulator's next call is dropped: it is raised now."""
+    for i, outcome in enumerate(outcomes):
+        if outcome is not None:
+            continue
         acc, ops = steps[i]
-        with contextlib.suppress(BaseException):  # each raises it (or its cleanup's error)
-            acc._run(ops, error=exc)
+        try:
+            result = acc._run(ops, error=exc)
+        except BaseException:  # noqa: BLE001 - it raised the interrupt (or its cleanup's error)
+            continue
+        if acc._held_interrupt is exc:
+            acc._held_interrupt = None
+        _ended(outcomes, i, (True, result), on_outcome)

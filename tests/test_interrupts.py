@@ -1,0 +1,254 @@
+"""Interrupts that land after Redis ran a request, before its reply reached the caller: Ctrl-C,
+``SystemExit`` from a SIGTERM handler, or an exception a signal handler raises (a SIGALRM
+timeout). Nothing accepted is lost or counted twice, and the same call made again after the
+interrupt is counted once (interrupt review of 2026-11-30: six ways each lost a round or
+counted a gradient twice).
+
+The reply is "lost" by a wrapper of the synchronous driver's ``_do``: it makes the request,
+then raises as a signal handler would while the thread waits for the reply.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+from _helpers import sync_job
+
+import accumulator
+from accumulator import _core, _scripts, _together
+from accumulator._requests import Batch, Call
+
+
+class Alarm(Exception):
+    """What a SIGALRM handler of a timeout helper raises."""
+
+
+class Interrupt(BaseException):
+    """Ctrl-C for the tests where a regression would let it escape: a real KeyboardInterrupt
+    stops the whole pytest session; this fails the test alone."""
+
+
+INTERRUPTS = [KeyboardInterrupt, SystemExit, Alarm]
+SIZES = {"inline": (4, 3), "parts": (3 * (1 << 20) // 4,)}  # 48 bytes; 3 MiB: 2 parts
+APPLY_SHA = _scripts.sha("apply")
+
+
+def _runs(request: Any, script: str) -> bool:
+    """Whether ``request`` runs the script named ``script``."""
+    if isinstance(request, Call):
+        return request.name == script
+    if isinstance(request, Batch):
+        sha = _scripts.sha(script)
+        return any(c[0] == "EVALSHA" and c[1] == sha for c in request.commands)
+    return False
+
+
+def lose_reply(monkeypatch: pytest.MonkeyPatch, acc: Any, script: str, exc: BaseException,
+               *, ran: bool = True) -> dict[str, bool]:  # fmt: skip
+    """The next request of ``acc`` that runs ``script`` is made (``ran``; else not sent at
+    all), then ``exc`` raised instead of its reply. Returns {"fired": ...}."""
+    real = acc._do
+    state = {"fired": False}
+
+    def do(request: Any) -> Any:
+        if not state["fired"] and _runs(request, script):
+            state["fired"] = True
+            if ran:
+                real(request)
+            raise exc
+        return real(request)
+
+    monkeypatch.setattr(acc, "_do", do)
+    return state
+
+
+def dense(target: Any, shape: tuple[int, ...], name: str = "intr") -> Any:
+    return accumulator.ConditionalAccumulator(np.float32, shape, shared_name=name,
+                                              client=target.client())  # fmt: skip
+
+
+@pytest.mark.parametrize("interrupt", INTERRUPTS, ids=lambda e: e.__name__)
+@pytest.mark.parametrize("size", list(SIZES))
+def test_an_apply_counted_then_interrupted_is_counted_once_when_made_again(
+    target, monkeypatch, size, interrupt
+):
+    acc = dense(target, SIZES[size])
+    grad = np.full(SIZES[size], 1.5, np.float32)
+    state = lose_reply(monkeypatch, acc, "apply", interrupt("reply lost"))
+    with pytest.raises(interrupt):
+        acc.apply_grad(grad, 0)
+    assert state["fired"]
+    monkeypatch.undo()
+    assert acc.num_accumulated() == 1
+    assert acc.apply_grad(grad, 0) is True  # the caller's retry: answered, not sent again
+    assert acc.num_accumulated() == 1
+    acc.apply_grad(np.ones(SIZES[size], np.float32), 0)  # another gradient counts as usual
+    np.testing.assert_array_equal(acc.take_grad(2, timeout=5), (grad + 1) / 2)
+    acc.close()
+
+
+@pytest.mark.parametrize("size", list(SIZES))
+def test_an_apply_interrupted_before_redis_ran_it_is_sent_when_made_again(target, monkeypatch,
+                                                                          size):
+    acc = dense(target, SIZES[size])
+    grad = np.full(SIZES[size], 2.0, np.float32)
+    lose_reply(monkeypatch, acc, "apply", KeyboardInterrupt(), ran=False)
+    with pytest.raises(KeyboardInterrupt):
+        acc.apply_grad(grad, 0)
+    monkeypatch.undo()
+    assert acc.num_accumulated() == 0
+    assert acc.apply_grad(grad, 0) is True
+    assert acc.num_accumulated() == 1
+    np.testing.assert_array_equal(acc.take_grad(1, timeout=5), grad)
+    acc.close()
+
+
+def test_an_apply_interrupted_while_its_parts_are_added_in_redis_counts_once(target,
+                                                                             monkeypatch):
+    """Module path: the parts of a large gradient past the first few are added into the sum
+    by calls after the apply was counted; Ctrl-C there raised, and the retry counted it
+    again."""
+    shape = (3_000_000,)  # 12 parts
+    acc = dense(target, shape, "folds")
+    if not acc.sums_in_redis:
+        pytest.skip("the sum is kept in Redis on the module path only")
+    acc.apply_grad(np.ones(shape, np.float32), 0)  # the round's sum exists: the next folds
+    grad = np.full(shape, 3.0, np.float32)
+    state = lose_reply(monkeypatch, acc, "fold", KeyboardInterrupt())
+    with pytest.raises(KeyboardInterrupt):
+        acc.apply_grad(grad, 0)
+    assert state["fired"]
+    monkeypatch.undo()
+    assert acc.num_accumulated() == 2
+    assert acc.apply_grad(grad, 0) is True
+    assert acc.num_accumulated() == 2
+    np.testing.assert_array_equal(acc.take_grad(2, timeout=5), np.full(shape, 2.0, np.float32))
+    acc.close()
+
+
+@pytest.mark.parametrize("interrupt", INTERRUPTS, ids=lambda e: e.__name__)
+def test_a_take_whose_finish_ran_returns_its_round_and_the_next_call_raises(target, monkeypatch,
+                                                                            interrupt):
+    """Only Ctrl-C was held: SystemExit or a signal handler's exception went on to give the
+    round back, found none claimed (the finish had run), and the round was lost."""
+    acc = dense(target, SIZES["parts"])
+    grad = np.full(SIZES["parts"], 4.0, np.float32)
+    acc.apply_grad(grad, 0)
+    state = lose_reply(monkeypatch, acc, "finish", interrupt("reply lost"))
+    np.testing.assert_array_equal(acc.take_grad(1, timeout=5), grad)
+    assert state["fired"]
+    monkeypatch.undo()
+    with pytest.raises(interrupt):
+        acc.num_accumulated()  # the interrupt, held for the next call
+    assert (acc.global_step(), acc.num_accumulated()) == (1, 0)
+    acc.close()
+
+
+def test_an_interrupt_between_the_finish_and_the_driver_returns_the_round(target, monkeypatch):
+    """Ctrl-C in the driver's own code, after the finish's reply came back and before the
+    take was handed it: the take was abandoned (its round lost, the finish having run)."""
+    acc = dense(target, SIZES["inline"])
+    grad = np.full(SIZES["inline"], 5.0, np.float32)
+    acc.apply_grad(grad, 0)
+    real_advance = _core.advance
+    last: list[Any] = [None]
+    fired: list[bool] = []
+
+    def advance(ops: Any, reply: Any, error: Any) -> Any:
+        if _runs(last[0], "finish") and not fired:
+            fired.append(True)
+            raise Interrupt  # lands before the reply is handed to the take
+        done, request = real_advance(ops, reply, error)
+        last[0] = request
+        return done, request
+
+    monkeypatch.setattr(_core, "advance", advance)
+    np.testing.assert_array_equal(acc.take_grad(1, timeout=5), grad)
+    assert fired
+    monkeypatch.undo()
+    with pytest.raises(Interrupt):
+        acc.global_step()
+    assert (acc.global_step(), acc.num_accumulated()) == (1, 0)
+    acc.close()
+
+
+def _interrupt_pipeline(monkeypatch: pytest.MonkeyPatch, script: str) -> dict[str, bool]:
+    """The next pipeline of script calls that runs ``script`` (``run_together``'s) is made,
+    then Ctrl-C lands before its replies are handed out."""
+    real: Callable[..., Any] = _together._pipelined
+    state = {"fired": False}
+
+    def pipelined(acc: Any, calls: list[Call]) -> Any:
+        replies = real(acc, calls)
+        if not state["fired"] and any(c.name == script for c in calls):
+            state["fired"] = True
+            raise Interrupt
+        return replies
+
+    monkeypatch.setattr(_together, "_pipelined", pipelined)
+    return state
+
+
+def test_takes_run_together_keep_the_rounds_whose_finish_ran(target, monkeypatch):
+    accs = [dense(target, SIZES["inline"], f"t{i}") for i in range(2)]
+    for i, acc in enumerate(accs):
+        acc.apply_grad(np.full(SIZES["inline"], i + 1.0, np.float32), 0)
+    state = _interrupt_pipeline(monkeypatch, "finish")
+    ended: dict[int, Any] = {}
+    with pytest.raises(Interrupt):
+        _together.run_together([(acc, acc._take_grad_ops(1, 5, None)) for acc in accs],
+                               lambda i, outcome: ended.update({i: outcome}))  # fmt: skip
+    assert state["fired"]
+    monkeypatch.undo()
+    assert sorted(ended) == [0, 1]
+    for i, acc in enumerate(accs):
+        assert ended[i][0]
+        np.testing.assert_array_equal(ended[i][1], np.full(SIZES["inline"], i + 1.0))
+        # raised once, by run_together: not again by the accumulator's next call
+        assert (acc.global_step(), acc.num_accumulated()) == (1, 0)
+        acc.close()
+
+
+PARAMS = {"w": np.zeros((4, 3), np.float32), "b": np.zeros(3, np.float32)}
+LR = 0.5
+
+
+def test_a_sync_chief_interrupted_while_its_takes_finish_keeps_the_rounds(target, monkeypatch):
+    ps, worker, step = sync_job(target, PARAMS)
+    grads = {"w": np.ones((4, 3), np.float32), "b": np.full(3, 2.0, np.float32)}
+    assert worker.push(step, grads) == {"w": True, "b": True}
+    state = _interrupt_pipeline(monkeypatch, "finish")
+    with pytest.raises(Interrupt):
+        ps.step(LR, timeout=5)
+    assert state["fired"]
+    monkeypatch.undo()
+    ps.step(LR, timeout=5)  # the rounds taken before the interrupt: no wait, no interrupt
+    for name, grad in grads.items():
+        np.testing.assert_array_equal(ps.params[name], -LR * grad)
+    assert worker.push(step + 1, grads) == {"w": True, "b": True}  # the job goes on
+    ps.step(LR, timeout=5)
+    np.testing.assert_array_equal(ps.params["b"], -2 * LR * grads["b"])
+    worker.close()
+    ps.close()
+
+
+def test_a_sync_push_interrupted_after_its_applies_landed_is_counted_once(target, monkeypatch):
+    ps, worker, step = sync_job(target, PARAMS)
+    grads = {"w": np.ones((4, 3), np.float32), "b": np.full(3, 2.0, np.float32)}
+    state = _interrupt_pipeline(monkeypatch, "apply")
+    with pytest.raises(Interrupt):
+        worker.push(step, grads)
+    assert state["fired"]
+    monkeypatch.undo()
+    assert worker.push(step, grads) == {"w": True, "b": True}
+    # (a gradient counted twice would not show in the MEAN of identical gradients)
+    assert [acc.num_accumulated() for acc in ps._accs.values()] == [1] * len(ps._accs)
+    assert ps.stats().pushes == 1
+    ps.step(LR, timeout=5)
+    for name, grad in grads.items():
+        np.testing.assert_array_equal(ps.params[name], -LR * grad)
+    worker.close()
+    ps.close()
