@@ -56,7 +56,8 @@ def apply(
         yield from settle_held(acc)  # (raises, nothing sent, while Redis is unreachable)
         counted = acc._identities.outcome(key, lambda: _identities.apply_fingerprint(key, payload))
         if counted is not None:  # this is that apply, made again
-            logger.info("apply_grad on %r: the apply that raised UnavailableError, made again: "
+            logger.info("apply_grad on %r: the apply of unknown outcome (UnavailableError, or "
+                        "interrupted), made again: "
                         "%s", acc._shared_name, "it was counted, and is not sent again"
                         if counted else "it was not counted; sending it now")  # fmt: skip
             if counted:
@@ -285,15 +286,16 @@ def settle_held(acc: AccumulatorModel, window: float | None = None) -> Ops[None]
         except ConnectionError:  # (UnavailableError too: Redis unreachable) still held
             raise
         except Exception:  # noqa: BLE001 - the new apply is what the caller asked for
-            logger.warning("apply_grad on %r: could not settle the earlier apply that raised "
-                           "UnavailableError; it may still be counted", acc._shared_name,
+            logger.warning("apply_grad on %r: could not settle the earlier apply of unknown "
+                           "outcome; it may still be counted", acc._shared_name,
                            exc_info=True)  # fmt: skip
             judged = -3
         if judged == -3:
-            logger.warning("apply_grad on %r: the outcome of the earlier apply that raised "
-                           "UnavailableError is unknown", acc._shared_name)  # fmt: skip
+            logger.warning("apply_grad on %r: the outcome of the earlier apply (it raised "
+                           "UnavailableError, or was interrupted) stays unknown",
+                           acc._shared_name)  # fmt: skip
         else:
-            logger.info("apply_grad on %r: the earlier apply that raised UnavailableError %s",
+            logger.info("apply_grad on %r: the earlier apply of unknown outcome %s",
                         acc._shared_name, "was counted" if judged == -1 else
                         "was not counted, and now never will be")  # fmt: skip
         acc._identities.settled(ident, None if judged == -3 else judged == -1)

@@ -252,3 +252,34 @@ def test_a_sync_push_interrupted_after_its_applies_landed_is_counted_once(target
         np.testing.assert_array_equal(ps.params[name], -LR * grad)
     worker.close()
     ps.close()
+
+
+def test_a_sync_push_interrupted_in_its_count_applies_nothing_again(target, monkeypatch):
+    """A push with a tensor of several parts is counted after its applies, in a round trip
+    of its own: Ctrl-C there forgot that every tensor was in, and the push again applied them
+    all a second time."""
+    params = {"big": np.zeros(1 << 19, np.float32), "b": np.zeros(3, np.float32)}  # 2 MiB
+    ps, worker, step = sync_job(target, params)
+    grads = {"big": np.ones(1 << 19, np.float32), "b": np.full(3, 2.0, np.float32)}
+    real = worker._count_now
+    fired: list[bool] = []
+
+    def count_now(push_id: str, what: str) -> None:
+        real(push_id, what)
+        if not fired:
+            fired.append(True)
+            raise Interrupt
+
+    monkeypatch.setattr(worker, "_count_now", count_now)
+    with pytest.raises(Interrupt):
+        worker.push(step, grads)
+    assert worker.push(step, grads) == {"big": True, "b": True}
+    monkeypatch.undo()
+    assert [acc.num_accumulated() for acc in ps._accs.values()] == [1] * len(ps._accs)
+    stats = ps.stats()
+    assert stats.pushes == stats.accepted == 1 and worker.pushes == 1
+    ps.step(LR, timeout=5)
+    for name, grad in grads.items():
+        np.testing.assert_array_equal(ps.params[name], -LR * grad)
+    worker.close()
+    ps.close()

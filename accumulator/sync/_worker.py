@@ -358,16 +358,20 @@ class Worker(_Job):
                     ", ".join(sorted(result)), step,
                 )  # fmt: skip
             raise failed
-        self._partial = None
+        applied_units = dict(result)
         result = {m.name: result[u.name] for u in self._units for m in u.members}
         result = {name: result[name] for name in names}
         n_ok = sum(result.values())
+        outcome = "" if n_ok == len(result) else "stale" if n_ok == 0 else "partial"
+        if outcome or not together:  # amend the count made as "all accepted", or count now
+            # every tensor is in: a count interrupted or failed is made again by the push
+            # again, which applies nothing (interrupt review: Ctrl-C here applied it twice)
+            self._partial = (step, applied_units, push_id)
+            self._count_now(push_id, outcome)
+        self._partial = None
         self.pushes += 1
         self.accepted += n_ok
         self.dropped += len(result) - n_ok
-        outcome = "" if n_ok == len(result) else "stale" if n_ok == 0 else "partial"
-        if outcome or not together:  # amend the count made as "all accepted", or count now
-            self._count_now(push_id, outcome)
         return result
 
     def _finished_push(
