@@ -898,3 +898,20 @@ def test_no_twin_is_made_for_a_closed_client_and_a_second_one_made_is_closed(mon
     assert _receive._reader(client) is first and made[1].closed == 1 and first.closed == 0
     _receive.close_reader(client)
     assert first.closed == 1 and _receive._reader(client) is None
+
+
+def test_aclose_in_another_event_loop_leaves_no_shared_clients_behind(target):  # type: ignore[no-untyped-def]
+    """The first loop's share is let go (its clients and the loop itself were kept in the
+    registry for good), and the connections made to delete the keys are closed."""
+    from accumulator.aio import _connection
+
+    before = set(_connection._SHARED)
+    acc = aio.ConditionalAccumulator(np.float32, (3,), client=aclient(target))
+
+    async def apply() -> None:
+        await acc.apply_grad([1.0, 2.0, 3.0])
+
+    asyncio.run(apply())
+    assert set(_connection._SHARED) - before
+    asyncio.run(acc.aclose())
+    assert set(_connection._SHARED) - before == set()

@@ -684,3 +684,81 @@ def test_the_module_command_takes_no_connection_options(capsys):
     assert "--json" in text and "--url" not in text and "--tls" not in text
     assert main(["module", "path", "--url", "redis://elsewhere:6379"]) == EXIT_USAGE
     assert "--url" in capsys.readouterr().err
+
+
+# -- the fallback build directory, checked (mutation review of 2026-11-30) --------------------
+
+
+def _unwritable_cache(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    blocker = tmp_path / "cache-is-a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))
+    monkeypatch.setattr(_module.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+
+
+needs_cc = pytest.mark.skipif(_module.find_compiler() is None, reason="no C compiler")
+
+
+@needs_cc
+@pytest.mark.parametrize("mode", [0o770, 0o730, 0o702])
+def test_a_temporary_directory_its_group_or_others_can_write_is_not_built_in(
+    tmp_path, monkeypatch, mode
+):  # type: ignore[no-untyped-def]
+    _unwritable_cache(tmp_path, monkeypatch)
+    shared = tmp_path / "tmp" / f"redis-accumulator-{os.getuid()}"
+    shared.mkdir()
+    shared.chmod(mode)
+    assert _module.build() is None
+    assert "not a directory of this user's alone" in (_module.why_not_built() or "")
+    assert not list(shared.iterdir())
+
+
+@needs_cc
+def test_a_temporary_directory_another_user_owns_is_not_built_in(tmp_path, monkeypatch):  # type: ignore[no-untyped-def]
+    """0700, but not this user's: its owner could put a shared object there for Redis."""
+    _unwritable_cache(tmp_path, monkeypatch)
+    me = os.getuid() + 1  # (this process pretends to be another user; the directory is ours)
+    theirs = tmp_path / "tmp" / f"redis-accumulator-{me}"
+    theirs.mkdir(mode=0o700)
+    monkeypatch.setattr(_module.os, "getuid", lambda: me)
+    assert _module.build() is None
+    monkeypatch.undo()
+    assert not list(theirs.iterdir())
+
+
+@needs_cc
+def test_a_temporary_directory_that_is_a_symlink_is_not_built_in(tmp_path, monkeypatch):  # type: ignore[no-untyped-def]
+    """A symlink on a shared /tmp can be pointed elsewhere between the check and the build."""
+    _unwritable_cache(tmp_path, monkeypatch)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(mode=0o700)
+    (tmp_path / "tmp" / f"redis-accumulator-{os.getuid()}").symlink_to(elsewhere)
+    assert _module.build() is None
+    assert not list(elsewhere.iterdir())
+
+
+@needs_cc
+def test_a_temporary_directory_that_cannot_be_made_is_not_built_in(tmp_path, monkeypatch):  # type: ignore[no-untyped-def]
+    """TMPDIR names a directory that does not exist: the build must not make it (and ours)
+    with the default mode on the way (mkdir(parents=True) in the build)."""
+    blocker = tmp_path / "cache-is-a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))
+    missing = tmp_path / "missing"
+    monkeypatch.setattr(_module.tempfile, "gettempdir", lambda: str(missing))
+    assert _module.build() is None
+    assert "No such file" in (_module.why_not_built() or "")
+    assert not missing.exists()
+
+
+@needs_cc
+def test_a_failed_sanitizer_build_leaves_the_plain_build_on(tmp_path, monkeypatch):  # type: ignore[no-untyped-def]
+    first = _module.build(out_dir=tmp_path)
+    assert first is not None
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    monkeypatch.delenv("CC", raising=False)
+    assert _module.build(out_dir=tmp_path, sanitize=True) is None
+    assert _module.why_not_built(out_dir=tmp_path, sanitize=True)
+    assert _module.why_not_built(out_dir=tmp_path) is None
+    assert _module.build(out_dir=tmp_path) == first

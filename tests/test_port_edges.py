@@ -11,7 +11,7 @@ import pytest
 from _helpers import aclient, fake_only, sync_job
 
 import accumulator
-from accumulator import aio
+from accumulator import _codec, aio
 
 _IDS = np.array([[1, 7], [3, 8]])  # int64; its column 0, [1, 3], is sorted, unique, strided
 
@@ -91,3 +91,34 @@ def test_integers_that_do_not_fit_are_refused_not_wrapped(target, dtype, grad, b
     assert sparse.num_accumulated() == 0
     acc.close()
     sparse.close()
+
+
+@fake_only
+@pytest.mark.parametrize(("dtype", "src"), [
+    (np.int8, np.int64), (np.uint8, np.uint16), (np.int64, np.uint64), (np.uint32, np.uint64),
+])  # fmt: skip
+def test_integers_at_the_edges_of_the_dtype_are_taken(target, dtype, src):  # type: ignore[no-untyped-def]
+    info = np.iinfo(dtype)
+    acc = accumulator.ConditionalAccumulator(dtype, (2,), shared_name="e", client=target.client(),
+                                             reduction_type="SUM")  # fmt: skip
+    edges = [max(int(info.min), int(np.iinfo(src).min)), int(info.max)]
+    assert acc.apply_grad(np.array(edges, src))
+    assert acc.take_grad(1).tolist() == edges
+    acc.close()
+
+
+@fake_only
+def test_an_empty_integer_gradient_is_taken(target):  # type: ignore[no-untyped-def]
+    acc = accumulator.ConditionalAccumulator(np.int8, (0,), shared_name="z", client=target.client())
+    assert acc.apply_grad(np.zeros(0, np.int64))
+    acc.close()
+
+
+@pytest.mark.parametrize(("spelling", "dtype"), [
+    ("qint8", np.int8), ("quint8", np.uint8), ("qint16", np.int16), ("quint16", np.uint16),
+    ("qint32", np.int32), (np.dtype([("qint8", "i1")]), np.int8),
+    (np.dtype([("quint8", "u1")]), np.uint8), (">f4", np.float32), (">i8", np.int64),
+])  # fmt: skip
+def test_quantized_and_byte_ordered_spellings_resolve(spelling, dtype):  # type: ignore[no-untyped-def]
+    got = _codec.resolve_dtype(spelling)
+    assert got == np.dtype(dtype) and got.byteorder in "=|"

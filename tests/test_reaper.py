@@ -151,3 +151,35 @@ def test_when_no_thread_can_start_the_work_is_done_on_the_submitting_thread(
     where: list[int] = []
     _reaper.submit(lambda: where.append(threading.get_ident()))
     assert where == [threading.get_ident()]
+
+
+_FINALIZE_BEFORE_IMPORT = """
+import sys, weakref
+
+class Thing:
+    pass
+
+thing = Thing()
+weakref.finalize(thing, print)  # weakref's exit hook registered before the reaper's
+import numpy as np
+import accumulator
+
+kept = accumulator.ConditionalAccumulator(np.float32, (3,), client=sys.argv[1])  # alive at exit
+kept.apply_grad(np.ones(3, np.float32))
+print(kept._keys.base, flush=True)
+"""
+
+
+@pytest.mark.real
+def test_a_private_accumulator_alive_at_exit_is_deleted_whichever_exit_hook_runs_first(
+    real_url: str,
+) -> None:
+    """Any weakref.finalize made before ``import accumulator`` (tempfile.TemporaryDirectory,
+    many libraries) registers weakref's exit hook first: it then runs after the reaper's, and
+    the finalizer's job is submitted while exiting. It must be waited for, not queued for a
+    daemon thread the interpreter is about to stop."""
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(_FINALIZE_BEFORE_IMPORT),
+                           real_url], capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    base = proc.stdout.split()[0]
+    assert not list(redis.Redis.from_url(real_url).scan_iter(match=f"{base}*")), base
