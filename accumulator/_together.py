@@ -37,8 +37,9 @@ def run_together(
     raises does not stop the others, except for an interrupt (``KeyboardInterrupt``...,
     anything not an ``Exception``): it is thrown into every unfinished step, which cleans up
     as it would alone (a claimed round goes back), and then raised. ``on_outcome(i,
-    outcome)`` is called as each step ends: what ended before an interrupt is not lost (a
-    round taken is the caller's)."""
+    outcome)`` is called as each step ends: what ended before an interrupt, or while it was
+    thrown in (a take whose finish had run returns its round), is not lost (a round taken is
+    the caller's)."""
     with contextlib.ExitStack() as driving:  # (each accumulator's close() waits for them)
         for acc in {id(acc): acc for acc, _ in steps}.values():
             driving.enter_context(acc._driving())
