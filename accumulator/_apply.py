@@ -9,6 +9,7 @@ stranded payloads, which the take uses too.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -122,10 +123,11 @@ def definite(exc: BaseException) -> bool:
     """Whether an exception raised where an apply's request was in flight says for sure what
     became of it: ours (refusals; :class:`UnavailableError` aside, whose outcome is unknown)
     and Redis's error replies. Anything else (an interrupt, what a signal handler raised, the
-    step closed) came while Redis may have run the request."""
+    step closed) came while Redis may have run the request. An asyncio cancel is thrown into a
+    step only before its commit is sent (the asyncio driver never cuts one in flight)."""
     if isinstance(exc, UnavailableError):
         return isinstance(exc, NotDurableError)
-    return isinstance(exc, AccumulatorError | ResponseError)
+    return isinstance(exc, AccumulatorError | ResponseError | asyncio.CancelledError)
 
 
 def _settle_now(acc: AccumulatorModel) -> Ops[None]:

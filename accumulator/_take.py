@@ -9,6 +9,7 @@ back (the leave script).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import os
@@ -311,8 +312,10 @@ def _settled_finish(
                 raise unknown from exc
             logger.warning("take_grad on %r: its finish may have run, Redis does not answer; "
                            "asking again", acc._shared_name)  # fmt: skip
-        except (AccumulatorError, ResponseError, GeneratorExit):
-            raise  # (the finish's answer: the lease had run out, say; or the step closed)
+        except (AccumulatorError, ResponseError, GeneratorExit, asyncio.CancelledError):
+            # the finish's answer (the lease had run out, say), the step closed, or an asyncio
+            # cancel (thrown in only before the finish is sent: the round goes back)
+            raise
         except BaseException as exc:
             # An interrupt: Ctrl-C, SystemExit from a SIGTERM handler, what a signal handler
             # raised (interrupt review: all but Ctrl-C lost the round)

@@ -915,3 +915,37 @@ def test_aclose_in_another_event_loop_leaves_no_shared_clients_behind(target):  
     assert set(_connection._SHARED) - before
     asyncio.run(acc.aclose())
     assert set(_connection._SHARED) - before == set()
+
+
+def test_a_cancel_swallowed_before_the_finish_gives_the_round_back(target):
+    """A cancel that library code swallowed during the read is raised by the driver before
+    the finish is sent: the take gives its round back and raises it at once (it was held
+    like an interrupt of a finish in flight: the take returned, and a later call raised)."""
+
+    async def main() -> None:
+        async with dense(target, LARGE) as acc:
+            for v in (1.0, 3.0):
+                await acc.apply_grad(np.full(LARGE, v, np.float32))
+            do = acc._do
+
+            async def swallowing(conns: Any, request: Any) -> Any:
+                if not _reading(request):
+                    return await do(conns, request)
+                caller = asyncio.current_task()
+                assert caller is not None
+                work = asyncio.ensure_future(do(conns, request))
+                caller.cancel()
+                while True:
+                    try:
+                        return await asyncio.shield(work)
+                    except asyncio.CancelledError:
+                        continue  # swallowed (the task stays cancelling)
+
+            acc._do = swallowing
+            with pytest.raises(asyncio.CancelledError):
+                await acc.take_grad(2)
+            del acc._do
+            assert (await acc.num_accumulated(), await acc.global_step()) == (2, 0)
+            np.testing.assert_array_equal(await acc.take_grad(2, timeout=5), np.full(LARGE, 2))
+
+    run(main)
