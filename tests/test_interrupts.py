@@ -283,3 +283,32 @@ def test_a_sync_push_interrupted_in_its_count_applies_nothing_again(target, monk
         np.testing.assert_array_equal(ps.params[name], -LR * grad)
     worker.close()
     ps.close()
+
+
+def test_a_chief_update_interrupted_part_way_is_completed_by_the_next_step(target, monkeypatch):
+    """The learning-rate update, interrupted between two parameters: the next step() updates
+    only the ones left (it updated the first again, with its gradient already scaled)."""
+    from accumulator.sync import _params
+
+    params = {"a": np.zeros(1000, np.float32), "b": np.zeros(1000, np.float32)}
+    ps, worker, step = sync_job(target, params, fusion_bytes=0)
+    grads = {"a": np.full(1000, 1.0, np.float32), "b": np.full(1000, 2.0, np.float32)}
+    assert worker.push(step, grads) == {"a": True, "b": True}
+    real = _params._scalable_in_place
+    calls: list[int] = []
+
+    def interrupted(g: Any, p: Any) -> bool:
+        calls.append(1)
+        if len(calls) == 2:  # the second parameter's turn: the first is updated
+            raise Interrupt
+        return real(g, p)
+
+    monkeypatch.setattr(_params, "_scalable_in_place", interrupted)
+    with pytest.raises(Interrupt):
+        ps.step(LR, timeout=5)
+    monkeypatch.undo()
+    assert ps.step(LR, timeout=5) == step + 1  # no new take: the update is completed
+    for name, grad in grads.items():
+        np.testing.assert_array_equal(ps.params[name], -LR * grad)
+    worker.close()
+    ps.close()

@@ -120,6 +120,9 @@ class ParameterServer(_Resumer):
         # After a restart it also holds the zero gradients of parameters whose round the
         # previous chief had read before it died.
         self._taken: dict[str, Any] = {}
+        #: (the taken gradients, the parameters updated with them so far): an update
+        #: interrupted part-way is completed by the next step(), not made again
+        self._updating: tuple[dict[str, Any], set[str]] | None = None
         #: after an update whose publish failed: whether it was to be the final step (the
         #: next :meth:`step` publishes it); None otherwise
         self._unpublished: bool | None = None
@@ -301,8 +304,11 @@ class ParameterServer(_Resumer):
         self._lease.check(renew=False)  # the publish renews it and is fenced by it
         # the gradients stay taken until the update is made (a raising update gets them again)
         grads = _fusion.split(self._units, self._taken)  # a bucket's: views of its array
-        self._params = apply_update(update, self._specs, self._params, grads, self._step)
-        self._taken = {}
+        if self._updating is None or self._updating[0] is not self._taken:
+            self._updating = (self._taken, set())  # (the parameters updated with these)
+        self._params = apply_update(update, self._specs, self._params, grads, self._step,
+                                    self._updating[1])  # fmt: skip
+        self._taken, self._updating = {}, None
         self._step += 1
         return self._finish_step(final)
 

@@ -64,27 +64,42 @@ def apply_update(
     params: dict[str, np.ndarray],
     grads: dict[str, Any],
     step: int,
+    done: set[str] | None = None,
 ) -> dict[str, np.ndarray]:
     """The parameters after ``update`` with ``grads`` at ``step``: ``params`` itself, updated
     in place, for learning rates (dense float gradients are scaled in place too: they are
     the chief's taken ones, seen by no one else); what a function returned (checked), or
-    ``params`` it updated in place, for a function."""
+    ``params`` it updated in place, for a function.
+
+    ``done``: the names of the parameters updated so far, for learning rates: those in it
+    are skipped, and each is added once updated. An update interrupted part-way (Ctrl-C, or
+    what a signal handler raised) is then completed by the next call, never made twice on a
+    parameter (interrupt review: the next ``step()`` updated the first ones again, with
+    gradients already scaled). Each parameter's change and its mark are in-place operators
+    and a ``set.add``, between which the interpreter runs no signal handler."""
     rates = learning_rates(update, specs)
     if rates is None:
         assert callable(update)
         out = update(params, grads, step)
         return checked_params(specs, params if out is None else out)
+    done = set() if done is None else done
     for spec in specs:
+        if spec.name in done:
+            continue
         p, g, lr = params[spec.name], grads[spec.name], rates[spec.name]
         if spec.kind == "sparse":
             # indices come back unique, so fancy-index assignment adds each row once
-            p[g.indices] -= np.asarray(lr * g.values, dtype=p.dtype)
+            scaled = np.asarray(lr * g.values, dtype=p.dtype)
+            p[g.indices] -= scaled
         elif _scalable_in_place(g, p):
             # the taken gradient is the chief's own: scaled where it lies, no temporary
             # array as large as the parameter (the same products as ``lr * g``)
-            p -= np.multiply(g, lr, out=g)
+            g *= lr
+            p -= g
         else:
-            p -= np.asarray(lr * g, dtype=p.dtype)
+            scaled = np.asarray(lr * g, dtype=p.dtype)
+            p -= scaled
+        done.add(spec.name)
     return params
 
 
