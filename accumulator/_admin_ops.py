@@ -157,17 +157,34 @@ def delete_many(
     return removed
 
 
+#: The expiry a delete gives the payloads of the round it deletes, in case it is cut short
+#: before it unlinks them (lua/_common.lua's DROPPED_TTL_MS: reset's, for the same case).
+DELETED_TTL_MS = 60_000
+
+
 def _delete_named(r: redis.Redis, keys: Keys) -> int:
     """Delete what the state names: its fixed keys, the round's payloads, the spread
     payloads registered or dropped. The state goes first, atomically with reading the round:
     from then on every script answers NOTFOUND, so nothing new is added while the rest is
-    found and removed."""
+    found and removed. The round's payloads read just before are set to expire in the same
+    transaction: a delete cut short after it (Ctrl-C, SIGKILL) left them in Redis for good,
+    named by nothing (interrupt review); the few a gradient applied in between adds are
+    deleted below."""
+    own = (keys.base + ":").encode()  # (spread parts, in other slots, have their sweep)
+    try:
+        named = [key for key in keys.payload_keys(_listed(r.lrange(keys.grads, 0, -1)))
+                 if key.startswith(own)]  # fmt: skip
+    except redis.ResponseError:  # (another type there: it names nothing)
+        named = []
+
     def queue(pipe: Any) -> None:
         pipe.lrange(keys.grads, 0, -1)
         pipe.zrange(keys.orphans, 0, -1)
+        for key in named:
+            pipe.pexpire(key, DELETED_TTL_MS)
         pipe.unlink(*keys.fixed)
 
-    entries, orphans, removed = atomically(r, queue, raise_on_error=False)
+    entries, orphans, *_, removed = atomically(r, queue, raise_on_error=False)
     # a key of another type where the round or the orphans belong (written by another
     # program) names nothing: it is deleted with the others (WRONGTYPE stopped delete)
     entries, orphans = (_listed(reply) for reply in (entries, orphans))

@@ -312,3 +312,31 @@ def test_a_chief_update_interrupted_part_way_is_completed_by_the_next_step(targe
         np.testing.assert_array_equal(ps.params[name], -LR * grad)
     worker.close()
     ps.close()
+
+
+def test_a_delete_cut_short_after_its_transaction_leaves_no_payload_for_good(target,
+                                                                             monkeypatch):
+    """Interrupted after the state went, before the round's payloads were unlinked: they
+    stayed in Redis with no expiry, named by nothing (invisible to `accumulator ls`)."""
+    from accumulator import _admin_ops
+
+    acc = dense(target, SIZES["parts"], "doomed")
+    if acc.spreads_parts:
+        pytest.skip("spread parts are swept apart (their records have an expiry)")
+    for _ in range(2):
+        acc.apply_grad(np.ones(SIZES["parts"], np.float32), 0)
+    r = target.redis()
+    payloads = [k for k in r.scan_iter(match=f"{acc._keys.base}:b:*")]
+    assert payloads and all(r.pttl(k) == -1 for k in payloads)  # the round holds them
+
+    def cut(*args: Any) -> int:
+        raise Interrupt
+
+    monkeypatch.setattr(_admin_ops, "_unlink", cut)
+    with pytest.raises(Interrupt):
+        accumulator.delete_accumulator("doomed", client=target.client())
+    monkeypatch.undo()
+    assert not r.exists(acc._keys.state)
+    ttls = [r.pttl(k) for k in payloads]
+    assert all(0 < t <= _admin_ops.DELETED_TTL_MS for t in ttls), ttls
+    acc.close()
