@@ -340,3 +340,43 @@ def test_a_delete_cut_short_after_its_transaction_leaves_no_payload_for_good(tar
     ttls = [r.pttl(k) for k in payloads]
     assert all(0 < t <= _admin_ops.DELETED_TTL_MS for t in ttls), ttls
     acc.close()
+
+
+def test_a_resume_cut_short_while_it_aligns_an_accumulator_behind_drops_its_gradients(
+    target, monkeypatch
+):
+    """A restarted chief aligns an accumulator found behind the published step: its step set
+    and its pending gradients (pushed at older steps) dropped. Cut short between the two, the
+    next initialize() must still drop them (it set the step first: the accumulator no longer
+    looked behind, and the next step took the stale gradients)."""
+    from accumulator.sync import ParameterServer
+
+    ps = ParameterServer("behind", replicas_to_aggregate=1, client=target.client())
+    ps.initialize(PARAMS, step=3)
+    (name,) = ps._accs  # (both parameters fused into one accumulator)
+    ps._accs[name].set_global_step(2)
+    (size,) = ps._accs[name].shape
+    ps._accs[name].apply_grad(np.ones(size, np.float32), local_step=2)  # an older step's
+    ps.close()
+    chief = ParameterServer("behind", replicas_to_aggregate=1, client=target.client())
+    real_reset, real_set = type(chief)._reset, accumulator.ConditionalAccumulator.set_global_step
+    calls: list[str] = []
+
+    def second_raises(what: str, real: Any) -> Any:
+        def call(self: Any, *args: Any) -> Any:
+            calls.append(what)
+            if len(calls) == 2:
+                raise Interrupt  # between the two changes of the accumulator
+            return real(self, *args)
+        return call
+
+    monkeypatch.setattr(type(chief), "_reset", second_raises("reset", real_reset))
+    monkeypatch.setattr(accumulator.ConditionalAccumulator, "set_global_step",
+                        second_raises("set", real_set))  # fmt: skip
+    with pytest.raises(Interrupt):
+        chief.initialize(PARAMS)
+    monkeypatch.undo()
+    assert chief.initialize(PARAMS) == 3
+    acc = chief._accs[name]
+    assert (acc.global_step(), acc.num_accumulated()) == (3, 0)
+    chief.close()

@@ -87,8 +87,11 @@ class _Resumer(_Publisher):
                     "set to %d, its pending gradients dropped", self.job,
                     accumulator_name(self.job, name), s, at, at,
                 )  # fmt: skip
-                self._accs[name].set_global_step(at)
+                # dropped first: cut short in between (Ctrl-C), the next initialize() still
+                # finds it behind and does both (set first, the old gradients stayed, and
+                # the next step took them; interrupt review)
                 self._reset(name)
+                self._accs[name].set_global_step(at)
         ahead = [name for name, s in steps.items() if s == at + 1]
         handed = [name for name in ahead if self._unfinished_claims(name)]
         lost = [name for name in ahead if name not in handed]
