@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import uuid
 from numbers import Real
 from typing import Any
@@ -216,9 +217,11 @@ class AccumulatorModel:
         self._closed = False
         #: taker ids of this object's takes whose withdraw failed (_take.take retries them)
         self._unwithdrawn: list[str] = []
-        #: an interrupt (Ctrl-C) that came while a take's finish was in flight: the take
-        #: returned its round, and the next call on this object raises it (_check_open)
-        self._held_interrupt: BaseException | None = None
+        #: thread id -> an interrupt (Ctrl-C...) that came while a take's finish was in flight
+        #: in that thread: the take returned its round, and that thread's next call on this
+        #: object raises it (_check_open; not another thread's: interrupt review, it killed
+        #: a worker thread and the interrupted one went on)
+        self._held_interrupts: dict[int, BaseException] = {}
 
     # -- properties ---------------------------------------------------------------------------
 
@@ -297,9 +300,10 @@ class AccumulatorModel:
         return self._private and os.getpid() == self._pid
 
     def _check_open(self) -> None:
-        if self._held_interrupt is not None:
-            held, self._held_interrupt = self._held_interrupt, None
-            raise held
+        if self._held_interrupts:
+            held = self._held_interrupts.pop(threading.get_ident(), None)
+            if held is not None:
+                raise held
         if self._closed:
             raise CancelledError("the accumulator was closed")
 

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import math
 import os
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -289,7 +290,7 @@ def _settled_finish(
     give back) lost every gradient of it (sparse review). It is asked again (a retried finish
     is answered for two minutes) for :data:`FINISH_SETTLE_SECONDS`; an interrupt that came
     meanwhile (any exception that is not the finish's answer) is held: the take returns its
-    round, and the object's next call raises it."""
+    round, and the next call of this thread on the object raises it."""
     started = time.monotonic()
     held: BaseException | None = None
     interrupts = 0
@@ -328,7 +329,7 @@ def _settled_finish(
                            "call raises the interrupt)", acc._shared_name,
                            type(exc).__name__)  # fmt: skip
     if held is not None:
-        acc._held_interrupt = held
+        acc._held_interrupts[threading.get_ident()] = held
 
 
 def _finish(acc: AccumulatorModel, taker: str, claim_key: str, blob_keys: list[bytes]) -> Ops[None]:

@@ -14,6 +14,7 @@ send: a step holding a claimed round never waits behind another's wait.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -177,6 +178,6 @@ def _interrupt(
             result = acc._run(ops, error=exc)
         except BaseException:  # noqa: BLE001 - it raised the interrupt (or its cleanup's error)
             continue
-        if acc._held_interrupt is exc:
-            acc._held_interrupt = None
+        if acc._held_interrupts.get(threading.get_ident()) is exc:
+            del acc._held_interrupts[threading.get_ident()]
         _ended(outcomes, i, (True, result), on_outcome)

@@ -380,3 +380,31 @@ def test_a_resume_cut_short_while_it_aligns_an_accumulator_behind_drops_its_grad
     acc = chief._accs[name]
     assert (acc.global_step(), acc.num_accumulated()) == (3, 0)
     chief.close()
+
+
+def test_a_held_interrupt_is_raised_in_the_thread_it_came_to(target, monkeypatch):
+    """The interrupt a take held (its finish in flight) is for the thread that was taking:
+    another thread sharing the object (a worker applying) does not get it."""
+    import threading
+
+    acc = dense(target, SIZES["inline"])
+    acc.apply_grad(np.ones(SIZES["inline"], np.float32), 0)
+    lose_reply(monkeypatch, acc, "finish", Alarm("reply lost"))
+    np.testing.assert_array_equal(acc.take_grad(1, timeout=5), np.ones(SIZES["inline"]))
+    monkeypatch.undo()
+    seen: list[Any] = []
+
+    def worker() -> None:
+        try:
+            seen.append(acc.apply_grad(np.ones(SIZES["inline"], np.float32), 1))
+        except BaseException as exc:  # noqa: BLE001 - what the test looks at
+            seen.append(exc)
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join(10)
+    assert seen == [True]
+    with pytest.raises(Alarm):
+        acc.num_accumulated()  # the taking thread's next call
+    assert acc.num_accumulated() == 1
+    acc.close()
