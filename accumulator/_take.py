@@ -325,8 +325,8 @@ def _settled_finish(
                 raise held from exc  # (not an interrupt, then: a fault of its own)
             held = held or exc
             logger.warning("take_grad on %r: interrupted (%s) while its finish was in flight: "
-                           "it completes first (the round is returned; the accumulator's next "
-                           "call raises the interrupt)", acc._shared_name,
+                           "it completes first (the round is returned; this thread's next call "
+                           "on the accumulator raises the interrupt)", acc._shared_name,
                            type(exc).__name__)  # fmt: skip
     if held is not None:
         acc._held_interrupts[threading.get_ident()] = held
