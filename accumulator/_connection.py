@@ -37,6 +37,7 @@ from ._urls import (
     check_url,
     cluster_url,
     default_url,
+    pool_guard,
     pop_socket_timeout,
     sentinel_parts,
     url_options,
@@ -198,6 +199,7 @@ def _derive(pool: redis.ConnectionPool, *, limit: bool, **overrides: Any) -> red
     ``limit``, the same pool class and size), with our packer and timeouts."""
     kwargs = dict(pool.connection_kwargs)
     kwargs.update(overrides)
+    kwargs.update(pool_guard())
     if isinstance(pool, SentinelConnectionPool):
         new_pool: redis.ConnectionPool = sentinel_pool_like(
             SentinelConnectionPool, pool, kwargs, _dropping(pool.connection_class)
@@ -259,6 +261,7 @@ def twin_client(client: Any) -> redis.Redis:
               if k in accepted and k not in ("retry", "connection_pool", "credential_provider",
                                              "redis_connect_func", "self", "kwargs")}  # fmt: skip
     kwargs.update(_retry_settings())
+    kwargs.update(pool_guard())
     pool_class = redis.BlockingConnectionPool if _is_blocking(pool) else redis.ConnectionPool
     new_pool = pool_class(connection_class=cls, **_pool_kwargs(pool), **kwargs)
     return redis.Redis(connection_pool=new_pool)
@@ -297,6 +300,32 @@ def require_transactions(r: Any, key: str | bytes) -> None:
             f"the Redis user may not run transactions (MULTI/EXEC), which this needs; nothing "
             f"was changed (see the README's Security section for what each role needs): {exc}"
         ) from exc
+
+
+def drop_idle(*clients: Any) -> None:
+    """Disconnect the idle connections of the clients' pools (a cluster client's: of each
+    node's pool). After an interrupt inside redis-py (Ctrl-C, a signal handler's exception,
+    between a command's send and its read) the connection went back to its pool with the
+    reply unread, and the next command would read it as its own: redis-py's check of the
+    connections it hands out misses a reply still on its way. Best effort."""
+    for client in clients:
+        try:
+            pools = [client.connection_pool] if hasattr(client, "connection_pool") else [
+                node.redis_connection.connection_pool for node in client.get_nodes()
+                if node.redis_connection is not None
+            ]  # fmt: skip
+            for pool in pools:
+                pool.disconnect(inuse_connections=False)
+        except Exception:  # noqa: BLE001 - the interrupt is what the caller gets
+            logger.debug("dropping idle connections failed", exc_info=True)
+
+
+def interrupted(exc: BaseException) -> bool:
+    """Whether ``exc``, raised out of a Redis call, came from outside it (an interrupt: not
+    redis-py's error, nor ours), so that a reply may be left unread (:func:`drop_idle`)."""
+    from ._errors import AccumulatorError
+
+    return not isinstance(exc, redis.RedisError | AccumulatorError)
 
 
 def atomically(r: Any, queue: Callable[[Any], None], raise_on_error: bool = True) -> list[Any]:

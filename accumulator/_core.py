@@ -23,7 +23,7 @@ from redis.exceptions import NoScriptError, ResponseError
 
 from . import _forks, _private, _reaper, _retry, _scripts, _take
 from ._cluster_batch import by_node_batch, each, is_script, on_node, per_node
-from ._connection import CLOSE_GRACE, CLUSTER_WAIT_SLICE, Client, connect
+from ._connection import CLOSE_GRACE, CLUSTER_WAIT_SLICE, Client, connect, drop_idle, interrupted
 from ._direct import execute_batch, pooled
 from ._errors import CancelledError
 from ._identities import Identities
@@ -341,11 +341,16 @@ class AccumulatorBase(AccumulatorModel):
     def _io(self, what: str, fn: Callable[[], _T], window: float | None = None) -> _T:
         """``fn()`` retried through transient Redis faults for ``window`` seconds (None:
         :attr:`retry_window`)."""
-        return _retry.call(
-            fn, f"{what} {self._shared_name!r}",
-            window=self.retry_window if window is None else window,
-            give_up=lambda: self._closed,
-        )  # fmt: skip
+        try:
+            return _retry.call(
+                fn, f"{what} {self._shared_name!r}",
+                window=self.retry_window if window is None else window,
+                give_up=lambda: self._closed,
+            )  # fmt: skip
+        except BaseException as exc:
+            if interrupted(exc) and self._conns is not None:
+                drop_idle(self._conns.commands)  # (a reply redis-py may have left unread)
+            raise
 
     def _drop_queue(self, queue: PubSub) -> None:
         with self._waits_lock:

@@ -408,3 +408,41 @@ def test_a_held_interrupt_is_raised_in_the_thread_it_came_to(target, monkeypatch
         acc.num_accumulated()  # the taking thread's next call
     assert acc.num_accumulated() == 1
     acc.close()
+
+
+def test_a_command_interrupted_between_its_send_and_its_read_leaves_no_reply_behind(
+    target, monkeypatch
+):
+    """Ctrl-C after redis-py sent a command and before it read the reply: the connection
+    went back to its pool with the reply unread, and redis-py 8 (maintenance notifications
+    "auto") no longer checks for that, so the next command read it as its own: an apply
+    took an HMGET's reply for its script's."""
+    import time
+
+    import redis.client
+
+    if target.kind in ("fake", "cluster"):
+        pytest.skip("a plain server's pooled connections (fakeredis reads no socket)")
+    acc = dense(target, SIZES["inline"], "unread")
+    acc.apply_grad(np.ones(SIZES["inline"], np.float32), 0)
+    real = redis.client.Redis._send_command_parse_response
+    fired: list[bool] = []
+
+    def send_then_interrupt(self: Any, conn: Any, command_name: str, *args: Any,
+                            **options: Any) -> Any:  # fmt: skip
+        if command_name == "HMGET" and not fired:
+            fired.append(True)
+            conn.send_command(*args, **options)
+            time.sleep(0.05)  # the reply arrives meanwhile (redis-py's check would see it)
+            raise Interrupt  # unread
+        return real(self, conn, command_name, *args, **options)
+
+    monkeypatch.setattr(redis.client.Redis, "_send_command_parse_response", send_then_interrupt)
+    with pytest.raises(Interrupt):
+        acc.num_accumulated()
+    assert fired
+    monkeypatch.undo()
+    assert acc.apply_grad(np.full(SIZES["inline"], 3.0, np.float32), 0) is True
+    assert acc.num_accumulated() == 2
+    np.testing.assert_array_equal(acc.take_grad(2, timeout=5), np.full(SIZES["inline"], 2.0))
+    acc.close()

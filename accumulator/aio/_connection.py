@@ -39,6 +39,7 @@ from .._urls import (
     check_url,
     cluster_url,
     default_url,
+    pool_guard,
     sentinel_parts,
     url_options,
 )
@@ -145,7 +146,7 @@ def _derive(pool: Any, *, limit: bool, socket_timeout: float) -> aioredis.Redis:
     kwargs = dict(pool.connection_kwargs)
     kwargs.pop("retry_on_timeout", None)
     kwargs.update(decode_responses=False, socket_timeout=socket_timeout, retry=_retry(),
-                  retry_on_error=list(RETRIED_BY_REDIS_PY))  # fmt: skip
+                  retry_on_error=list(RETRIED_BY_REDIS_PY), **pool_guard())  # fmt: skip
     size: dict[str, Any] = {}
     if limit:
         most = getattr(pool, "max_connections", None)

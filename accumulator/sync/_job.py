@@ -14,7 +14,7 @@ import redis
 
 from .. import _admin, _chunks, _fusion, _retry
 from .._codec import wire_dtype
-from .._connection import Client, connect
+from .._connection import Client, connect, drop_idle, interrupted
 from .._dense import ConditionalAccumulator
 from .._errors import InvalidArgumentError
 from .._keys import Keys, SyncKeys
@@ -209,7 +209,12 @@ class _Job:
 
     def _io(self, what: str, fn: Callable[[], _T]) -> _T:
         """``fn()`` retried through transient Redis faults for :attr:`retry_window` seconds."""
-        return _retry.call(fn, f"sync job {self.job!r}: {what}", window=self.retry_window)
+        try:
+            return _retry.call(fn, f"sync job {self.job!r}: {what}", window=self.retry_window)
+        except BaseException as exc:
+            if interrupted(exc):
+                drop_idle(self.redis)  # (a reply redis-py may have left unread)
+            raise
 
     def _open_accumulators(self, specs: list[ParamSpec], reduction: str, fusion: int) -> None:
         """Open the job's accumulators: one per unit of the parameters ``specs`` fused with
