@@ -52,15 +52,30 @@ class _Packer:
                 if isinstance(arg, memoryview) and arg.format != "B":
                     raise redis.DataError("memoryviews must be cast to bytes ('B')")
                 return cast("list[bytes | memoryview]", self._python.pack(*args))
+        if self._hiredis is None:
+            return cast("list[bytes | memoryview]", self._small.pack(*args))
+        # Numbers are made bytes here, not by hiredis: its conversion runs the signal handlers
+        # due, and one that raised (Ctrl-C, a SIGTERM handler's SystemExit) crashed the
+        # process (hiredis-py uses the failed conversion unchecked: SIGSEGV; interrupt
+        # review). Here a handler's exception is raised as any other.
+        args = tuple(_number(a) if type(a) in _NUMBERS else a for a in args)
         head = args[0]
-        if self._hiredis is not None and type(head) is str and " " not in head:
-            # hiredis packs str, bytes, int, float and memoryviews itself: redis-py's wrapper
-            # (a copy of every argument into a new tuple) costs as much as the packing
+        if type(head) is str and " " not in head:
+            # hiredis packs str, bytes and memoryviews itself: redis-py's wrapper (a copy of
+            # every argument into a new tuple) costs as much as the packing
             try:
                 return [self._hiredis(args)]
             except TypeError:
                 pass  # a bytearray, say: redis-py's wrapper converts it (or says why not)
         return cast("list[bytes | memoryview]", self._small.pack(*args))
+
+
+_NUMBERS = (int, float)
+
+
+def _number(value: int | float) -> bytes:
+    """A number as Redis is sent it (as redis-py's encoder writes it)."""
+    return repr(value).encode()
 
 
 _PACKER = _Packer()

@@ -10,6 +10,7 @@ then raises as a signal handler would while the thread waits for the reply.
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Callable
 from typing import Any
 
@@ -446,3 +447,61 @@ def test_a_command_interrupted_between_its_send_and_its_read_leaves_no_reply_beh
     assert acc.num_accumulated() == 2
     np.testing.assert_array_equal(acc.take_grad(2, timeout=5), np.full(SIZES["inline"], 2.0))
     acc.close()
+
+
+def test_the_packer_hands_hiredis_no_number(monkeypatch):
+    """hiredis converts numbers with a call that runs signal handlers, and crashed the
+    process (SIGSEGV) when one raised: numbers reach it as bytes, the same bytes."""
+    from accumulator import _packer
+
+    if _packer._PACKER._hiredis is None:
+        pytest.skip("no hiredis with pack_command")
+    real = _packer._PACKER._hiredis
+    seen: list[tuple[Any, ...]] = []
+
+    def spy(args: tuple[Any, ...]) -> bytes:
+        seen.append(args)
+        return bytes(real(args))
+
+    monkeypatch.setattr(_packer._PACKER, "_hiredis", spy)
+    command = ("EVALSHA", "ab" * 20, 2, "k1", b"k2", 5, -3, 1.5, 2**70)
+    packed = _packer.pack(*command)
+    assert seen and not any(type(a) in (int, float) for a in seen[0])
+    assert packed == [real(command)]
+
+
+_PACK_UNDER_SIGNALS = r"""
+import signal, sys, time
+from accumulator import _packer
+
+def handler(signum, frame):
+    raise KeyboardInterrupt
+
+signal.signal(signal.SIGALRM, handler)
+args = ("EVALSHA", "0" * 40, 1, "k", *range(1_000_000))
+started = time.perf_counter()
+_packer.pack(*args)
+took = time.perf_counter() - started
+for fraction in (0.2, 0.4, 0.6, 0.8):
+    signal.setitimer(signal.ITIMER_REAL, took * fraction)
+    try:
+        _packer.pack(*args)
+        signal.setitimer(signal.ITIMER_REAL, 0)
+    except KeyboardInterrupt:
+        pass
+print("alive")
+"""
+
+
+@pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="needs setitimer")
+def test_a_signal_while_a_command_is_packed_raises_and_does_not_crash():
+    import subprocess
+    import sys
+
+    from accumulator import _packer
+
+    if _packer._PACKER._hiredis is None:
+        pytest.skip("no hiredis with pack_command")
+    proc = subprocess.run([sys.executable, "-c", _PACK_UNDER_SIGNALS], capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0 and "alive" in proc.stdout, (proc.returncode, proc.stderr[-500:])
