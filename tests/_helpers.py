@@ -327,3 +327,35 @@ def failing_once(fn: Callable[[], Any], mode: str, fired: Callable[[], None],
         return await fn()
 
     return once_async if asynchronous else once
+
+
+def fork_while_held(lock: Any, in_child: Any) -> None:
+    """Fork while a thread of this process holds ``lock``; the child runs ``in_child()`` and
+    must exit 0 within 10 s (hung: killed by SIGALRM, which the parent sees as a failure)."""
+    import os
+    import signal
+    import threading
+
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with lock:
+            held.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=hold, daemon=True)
+    holder.start()
+    assert held.wait(10)
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            signal.alarm(10)
+            in_child()
+            code = 0
+        finally:
+            os._exit(code)
+    release.set()
+    holder.join(10)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"child status {status}"

@@ -256,17 +256,23 @@ def _cancel_at(acc: Any, match: Callable[[Any], bool], *, started: bool = False,
     acc._do = do_and_cancel
 
 
+async def _cancelled_take_gave_its_round_back(acc: Any) -> None:
+    """A take of the round of 1.0 and 3.0 (LARGE) raises CancelledError, the round stays
+    whole, and the next take (the object's ``_do`` as it was) gets it."""
+    with pytest.raises(asyncio.CancelledError):
+        await acc.take_grad(2)
+    del acc._do
+    assert (await acc.num_accumulated(), await acc.global_step()) == (2, 0)
+    np.testing.assert_array_equal(await acc.take_grad(2, timeout=5), np.full(LARGE, 2))
+
+
 def test_a_take_cancelled_while_reading_its_round_gives_it_back(target):
     async def main() -> None:
         async with dense(target, LARGE) as acc:
             for v in (1.0, 3.0):
                 await acc.apply_grad(np.full(LARGE, v, np.float32))
             _cancel_at(acc, _reading)
-            with pytest.raises(asyncio.CancelledError):
-                await acc.take_grad(2)
-            del acc._do
-            assert (await acc.num_accumulated(), await acc.global_step()) == (2, 0)
-            np.testing.assert_array_equal(await acc.take_grad(2, timeout=5), np.full(LARGE, 2))
+            await _cancelled_take_gave_its_round_back(acc)
 
     run(main)
 
@@ -942,10 +948,6 @@ def test_a_cancel_swallowed_before_the_finish_gives_the_round_back(target):
                         continue  # swallowed (the task stays cancelling)
 
             acc._do = swallowing
-            with pytest.raises(asyncio.CancelledError):
-                await acc.take_grad(2)
-            del acc._do
-            assert (await acc.num_accumulated(), await acc.global_step()) == (2, 0)
-            np.testing.assert_array_equal(await acc.take_grad(2, timeout=5), np.full(LARGE, 2))
+            await _cancelled_take_gave_its_round_back(acc)
 
     run(main)

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import redis
-from _helpers import Taker
+from _helpers import Taker, fork_while_held
 
 import accumulator
 from accumulator import _cluster_client, _reaper, _routing, _shares, _urls
@@ -446,33 +446,14 @@ def test_a_child_forked_while_a_thread_held_the_shared_clients_lock_can_connect(
     """A parent thread held the lock of the shared clients (opening or closing an
     accumulator) at the fork: the child's first connect() waited for a thread it does not
     have, forever (concurrency review: 12 of 30 amplified forks hung)."""
-    import os
-    import signal
 
-    held, release = threading.Event(), threading.Event()
+    def in_child() -> None:
+        acc = accumulator.ConditionalAccumulator(np.float32, (3,), shared_name="forked",
+                                                 client=real_url)  # fmt: skip
+        acc.apply_grad(np.ones(3, np.float32))
+        acc.close()
 
-    def hold() -> None:
-        with _shares._LOCK:
-            held.set()
-            release.wait(10)
-
-    holder = threading.Thread(target=hold, daemon=True)
-    holder.start()
-    assert held.wait(10)
-    pid = os.fork()
-    if pid == 0:
-        try:
-            signal.alarm(10)  # hung: killed by SIGALRM, which the parent sees
-            acc = accumulator.ConditionalAccumulator(np.float32, (3,), shared_name="forked",
-                                                     client=real_url)  # fmt: skip
-            acc.apply_grad(np.ones(3, np.float32))
-            acc.close()
-        finally:
-            os._exit(0)
-    release.set()
-    holder.join(10)
-    _, status = os.waitpid(pid, 0)
-    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"child status {status}"
+    fork_while_held(_shares._LOCK, in_child)
     probe = accumulator.ConditionalAccumulator(np.float32, (3,), shared_name="forked",
                                                client=real_url)  # fmt: skip
     assert probe.num_accumulated() == 1

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
-import threading
 import types
 
 import numpy as np
 import pytest
+from _helpers import fork_while_held
 
 import accumulator
 from accumulator import _reaper
@@ -52,29 +51,7 @@ def test_a_child_forked_while_a_thread_held_a_module_lock_does_not_wait_for_it(
     import importlib
 
     module = importlib.import_module(f"accumulator.{name}")
-    held, release = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        with getattr(module, attr):
-            held.set()
-            release.wait(10)
-
-    holder = threading.Thread(target=hold, daemon=True)
-    holder.start()
-    assert held.wait(10)
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            signal.alarm(10)  # hung: killed by SIGALRM, which the parent sees
-            _take_lock_in_child(name)
-            code = 0
-        finally:
-            os._exit(code)
-    release.set()
-    holder.join(10)
-    _, status = os.waitpid(pid, 0)
-    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"child status {status}"
+    fork_while_held(getattr(module, attr), lambda: _take_lock_in_child(name))
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
@@ -84,29 +61,11 @@ def test_a_child_forked_while_a_thread_held_an_accumulators_lock_can_use_it(real
     ending), is made anew in the child: its first operation and close() do not hang."""
     acc = accumulator.ConditionalAccumulator(np.float32, (3,), shared_name="forklock",
                                              client=real_url)  # fmt: skip
-    held, release = threading.Event(), threading.Event()
 
-    def hold() -> None:
-        with acc._waits_lock:
-            held.set()
-            release.wait(10)
+    def in_child() -> None:
+        acc.apply_grad(np.ones(3, np.float32))
+        acc.close()
 
-    holder = threading.Thread(target=hold, daemon=True)
-    holder.start()
-    assert held.wait(10)
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            signal.alarm(10)
-            acc.apply_grad(np.ones(3, np.float32))
-            acc.close()
-            code = 0
-        finally:
-            os._exit(code)
-    release.set()
-    holder.join(10)
-    _, status = os.waitpid(pid, 0)
-    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"child status {status}"
+    fork_while_held(acc._waits_lock, in_child)
     assert acc.num_accumulated() == 1
     acc.close()
