@@ -199,7 +199,7 @@ def _derive(pool: redis.ConnectionPool, *, limit: bool, **overrides: Any) -> red
     ``limit``, the same pool class and size), with our packer and timeouts."""
     kwargs = dict(pool.connection_kwargs)
     kwargs.update(overrides)
-    kwargs.update(pool_guard())
+    kwargs.update(pool_guard(redis.ConnectionPool))  # (every pool class passes it on)
     if isinstance(pool, SentinelConnectionPool):
         new_pool: redis.ConnectionPool = sentinel_pool_like(
             SentinelConnectionPool, pool, kwargs, _dropping(pool.connection_class)
@@ -261,8 +261,8 @@ def twin_client(client: Any) -> redis.Redis:
               if k in accepted and k not in ("retry", "connection_pool", "credential_provider",
                                              "redis_connect_func", "self", "kwargs")}  # fmt: skip
     kwargs.update(_retry_settings())
-    kwargs.update(pool_guard())
     pool_class = redis.BlockingConnectionPool if _is_blocking(pool) else redis.ConnectionPool
+    kwargs.update(pool_guard(redis.ConnectionPool))
     new_pool = pool_class(connection_class=cls, **_pool_kwargs(pool), **kwargs)
     return redis.Redis(connection_pool=new_pool)
 
@@ -350,7 +350,8 @@ def atomically(r: Any, queue: Callable[[Any], None], raise_on_error: bool = True
 
 def _url_client(url: str) -> redis.Redis:
     tls = {"connection_class": TLSConnection} if url.startswith("rediss://") else {}
-    return redis.Redis.from_url(url, retry=_retry(), **url_options(url), **tls)
+    return redis.Redis.from_url(url, retry=_retry(), **url_options(url), **tls,
+                                **pool_guard(redis.ConnectionPool))  # fmt: skip
 
 
 def connect(client: Client, retry_window: float = RETRY_WINDOW) -> Connections:

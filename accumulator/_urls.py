@@ -4,6 +4,7 @@ synchronous and the asyncio connections are both built from these). No I/O."""
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import os
 import re
 import socket
@@ -51,8 +52,8 @@ def default_url() -> str:
 
 def url_options(url: str) -> dict[str, Any]:
     """The client settings of a URL's connections (the sync and asyncio clients add their
-    own ``retry``): timeouts, keepalive on TCP, retries on connection faults, health checks,
-    and :func:`pool_guard`."""
+    own ``retry`` and :func:`pool_guard`): timeouts, keepalive on TCP, retries on connection
+    faults, health checks."""
     tcp = not url.startswith("unix:")
     return dict(
         socket_timeout=SOCKET_TIMEOUT,
@@ -61,25 +62,26 @@ def url_options(url: str) -> dict[str, Any]:
         **({"socket_keepalive": True} if tcp else {}),
         retry_on_error=list(RETRIED_BY_REDIS_PY),
         health_check_interval=30,
-        **pool_guard(),
     )
 
 
-def pool_guard() -> dict[str, Any]:
-    """Pool settings that keep redis-py's check of a connection it hands out: one with a
-    reply nobody read (a command interrupted between its send and its read: Ctrl-C, a signal
-    handler's exception) is connected again. redis-py 8 skips the check while maintenance
-    notifications may be on, its default ("auto"), and the next command read that reply as
-    its own (interrupt review: an apply read an HMGET's reply). Ours are off: they need
-    RESP3, which our clients do not speak. Empty for a redis-py without them."""
-    if not _HAS_MAINT:
+def pool_guard(pool_class: Any) -> dict[str, Any]:
+    """Settings of a pool of ``pool_class`` that keep redis-py's check of a connection it
+    hands out: one with a reply nobody read (a command interrupted between its send and its
+    read: Ctrl-C, a signal handler's exception) is connected again. redis-py 8 skips the
+    check while maintenance notifications may be on, its default ("auto"), and the next
+    command read that reply as its own (interrupt review: an apply read an HMGET's reply).
+    Ours are off: they need RESP3, which our clients do not speak. Empty for a pool class
+    without them (older redis-py)."""
+    try:
+        takes = "maint_notifications_config" in inspect.signature(pool_class).parameters
+    except (TypeError, ValueError):
+        takes = False
+    if not takes or importlib.util.find_spec("redis.maint_notifications") is None:
         return {}
     from redis.maint_notifications import MaintNotificationsConfig
 
     return {"maint_notifications_config": MaintNotificationsConfig(enabled=False)}
-
-
-_HAS_MAINT = importlib.util.find_spec("redis.maint_notifications") is not None
 
 #: The URL schemes ``client=`` (and the CLI's ``--url``) take.
 URL_SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://",

@@ -146,7 +146,8 @@ def _derive(pool: Any, *, limit: bool, socket_timeout: float) -> aioredis.Redis:
     kwargs = dict(pool.connection_kwargs)
     kwargs.pop("retry_on_timeout", None)
     kwargs.update(decode_responses=False, socket_timeout=socket_timeout, retry=_retry(),
-                  retry_on_error=list(RETRIED_BY_REDIS_PY), **pool_guard())  # fmt: skip
+                  retry_on_error=list(RETRIED_BY_REDIS_PY),
+                  **pool_guard(aioredis.ConnectionPool))  # fmt: skip
     size: dict[str, Any] = {}
     if limit:
         most = getattr(pool, "max_connections", None)
@@ -340,7 +341,8 @@ def _url_client(url: str) -> aioredis.Redis:
             addresses, socket_timeout=CONNECT_TIMEOUT
         ).master_for(service, retry=_retry(), **options)
         return client
-    return aioredis.Redis.from_url(url, retry=_retry(), **url_options(url))
+    return aioredis.Redis.from_url(url, retry=_retry(), **url_options(url),
+                                   **pool_guard(aioredis.ConnectionPool))  # fmt: skip
 
 
 def connect(client: AsyncClient) -> AsyncConnections:
