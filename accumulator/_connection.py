@@ -315,7 +315,8 @@ def drop_idle(*clients: Any) -> None:
                 if node.redis_connection is not None
             ]  # fmt: skip
             for pool in pools:
-                pool.disconnect(inuse_connections=False)
+                if not _shares.not_ours(pool):
+                    pool.disconnect(inuse_connections=False)
         except Exception:  # noqa: BLE001 - the interrupt is what the caller gets
             logger.debug("dropping idle connections failed", exc_info=True)
 

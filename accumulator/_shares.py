@@ -6,6 +6,7 @@ runs: it never waits for the registry's lock (:meth:`Connections.close_collected
 from __future__ import annotations
 
 import atexit
+import os
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -46,10 +47,21 @@ class Connections:
         if not release(self, _SHARED, _LOCK):
             return
         for client in (self.blocking, self.commands):
-            client.close()  # a client given its pool leaves the pool open: close that too
             pool = getattr(client, "connection_pool", None)  # a cluster client has none
+            if not_ours(pool):
+                continue  # (see not_ours)
+            client.close()  # a client given its pool leaves the pool open: close that too
             if pool is not None:
                 pool.disconnect()
+
+
+def not_ours(pool: Any) -> bool:
+    """Whether ``pool`` is a copy a forked child inherited: the parent's connections, which
+    the child leaves alone. redis-py resets such a pool at its first use, and its reset waits
+    for the pool's lock, which a thread of the parent may have held at the fork: the child's
+    close() hung for ever (seen in the suite, 2026-11-30; redis-py 8.1)."""
+    pid = getattr(pool, "pid", None)
+    return isinstance(pid, int) and pid != os.getpid()
 
 
 def release(share: Any, registry: dict[object, Any], lock: threading.Lock) -> bool:

@@ -69,3 +69,17 @@ def test_a_child_forked_while_a_thread_held_an_accumulators_lock_can_use_it(real
     fork_while_held(acc._waits_lock, in_child)
     assert acc.num_accumulated() == 1
     acc.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+@pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")
+def test_a_child_closes_an_accumulator_while_a_parent_thread_held_its_pool(real_url: str) -> None:
+    """The pool's own lock, held by a parent thread at the fork (in redis-py, taking or
+    giving back a connection): the child's close() made redis-py reset the inherited pool,
+    which waits for that lock, for ever. The child leaves the parent's pools alone."""
+    acc = accumulator.ConditionalAccumulator(np.float32, (3,), shared_name="forkpool",
+                                             client=real_url)  # fmt: skip
+    acc.apply_grad(np.ones(3, np.float32))
+    fork_while_held(acc._conns.commands.connection_pool._lock, acc.close)
+    assert acc.num_accumulated() == 1  # the parent's connections still work
+    acc.close()
