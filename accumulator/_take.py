@@ -9,7 +9,6 @@ back (the leave script).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import os
@@ -21,10 +20,9 @@ from numbers import Real
 from typing import Any, Protocol, TypeVar
 
 import numpy as np
-from redis.exceptions import ResponseError
 
 from . import _chunks, _model, _scripts
-from ._apply import committed, discard, sweep
+from ._apply import committed, definite, discard, sweep
 from ._claim import Claim, claim_lease_ms, parse_header, read_claim
 from ._codec import scalar_int
 from ._errors import (
@@ -313,11 +311,11 @@ def _settled_finish(
                 raise unknown from exc
             logger.warning("take_grad on %r: its finish may have run, Redis does not answer; "
                            "asking again", acc._shared_name)  # fmt: skip
-        except (AccumulatorError, ResponseError, GeneratorExit, asyncio.CancelledError):
-            # the finish's answer (the lease had run out, say), the step closed, or an asyncio
-            # cancel (thrown in only before the finish is sent: the round goes back)
-            raise
         except BaseException as exc:
+            if isinstance(exc, GeneratorExit) or definite(exc):
+                # the finish's answer (the lease had run out, say), the step closed, or an
+                # asyncio cancel (thrown in only before the finish is sent: the round goes back)
+                raise
             # An interrupt: Ctrl-C, SystemExit from a SIGTERM handler, what a signal handler
             # raised (interrupt review: all but Ctrl-C lost the round)
             interrupts += 1

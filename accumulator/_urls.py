@@ -3,6 +3,7 @@ synchronous and the asyncio connections are both built from these). No I/O."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import inspect
 import os
@@ -73,15 +74,21 @@ def pool_guard(pool_class: Any) -> dict[str, Any]:
     command read that reply as its own (interrupt review: an apply read an HMGET's reply).
     Ours are off: they need RESP3, which our clients do not speak. Empty for a pool class
     without them (older redis-py)."""
-    try:
-        takes = "maint_notifications_config" in inspect.signature(pool_class).parameters
-    except (TypeError, ValueError):
-        takes = False
-    if not takes or importlib.util.find_spec("redis.maint_notifications") is None:
+    if not _takes_maint_settings(pool_class):
         return {}
     from redis.maint_notifications import MaintNotificationsConfig
 
     return {"maint_notifications_config": MaintNotificationsConfig(enabled=False)}
+
+@functools.cache
+def _takes_maint_settings(pool_class: Any) -> bool:
+    """Whether ``pool_class`` takes ``maint_notifications_config`` (asked once per class)."""
+    try:
+        takes = "maint_notifications_config" in inspect.signature(pool_class).parameters
+    except (TypeError, ValueError):
+        return False
+    return takes and importlib.util.find_spec("redis.maint_notifications") is not None
+
 
 #: The URL schemes ``client=`` (and the CLI's ``--url``) take.
 URL_SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://",

@@ -89,16 +89,15 @@ def apply_update(
         p, g, lr = params[spec.name], grads[spec.name], rates[spec.name]
         if spec.kind == "sparse":
             # indices come back unique, so fancy-index assignment adds each row once
-            scaled = np.asarray(lr * g.values, dtype=p.dtype)
-            p[g.indices] -= scaled
+            p[g.indices] -= np.asarray(lr * g.values, dtype=p.dtype)
         elif _scalable_in_place(g, p):
             # the taken gradient is the chief's own: scaled where it lies, no temporary
-            # array as large as the parameter (the same products as ``lr * g``)
+            # array as large as the parameter (the same products as ``lr * g``); an operator,
+            # not np.multiply(out=g): a signal handler may run after a call, before the mark
             g *= lr
             p -= g
         else:
-            scaled = np.asarray(lr * g, dtype=p.dtype)
-            p -= scaled
+            p -= np.asarray(lr * g, dtype=p.dtype)
         done.add(spec.name)
     return params
 
