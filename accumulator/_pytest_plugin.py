@@ -19,17 +19,24 @@ without one, the tests that ask for these fixtures are skipped with a message sa
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
-import redis
 
-from .testing import RedisServer, find_server_binary
+if TYPE_CHECKING:
+    import redis
+
+    from .testing import RedisServer
+
+# redis-py, numpy and the package are imported by the fixtures, when a test asks for one:
+# pytest loads this plugin in every run of an environment that has the package installed.
 
 
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[RedisServer]:
     """A throwaway ``redis-server`` shared by the test session."""
+    from .testing import RedisServer, find_server_binary
+
     if find_server_binary() is None:
         pytest.skip("redis-accumulator's redis_server fixture needs a redis-server binary")
     with RedisServer() as server:
@@ -40,6 +47,8 @@ def redis_server() -> Iterator[RedisServer]:
 def redis_url(redis_server: RedisServer) -> str:
     """The session server's URL, emptied before the test (started again first if a test
     killed it: one crash test that failed before its restart broke every later one)."""
+    import redis
+
     if not redis_server.running:
         redis_server.start()
     client = redis.Redis.from_url(redis_server.url)

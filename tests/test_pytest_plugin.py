@@ -112,3 +112,32 @@ def test_the_plugin_can_be_turned_off(tmp_path: Path) -> None:
     done = _pytest(tmp_path, "-p", "no:accumulator")
     assert done.returncode != 0
     assert "fixture 'redis_url' not found" in done.stdout
+
+
+def test_loading_the_plugin_imports_neither_redis_nor_numpy() -> None:
+    """pytest loads the plugin in every run where the package is installed: it must cost a
+    run that uses none of its fixtures nothing (the package's names load on first use)."""
+    code = (
+        "import sys, accumulator._pytest_plugin\n"
+        "loaded = sorted(m for m in ('redis', 'numpy', 'msgpack', 'accumulator._core')"
+        " if m in sys.modules)\n"
+        "assert not loaded, loaded\n"
+        "import accumulator\n"
+        "assert accumulator.ConditionalAccumulator.__module__ == 'accumulator._dense'\n"
+        "assert 'numpy' in sys.modules\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+
+
+def test_every_public_name_loads_from_where_the_package_says() -> None:
+    import accumulator
+
+    where = accumulator._WHERE
+    assert sorted([*where, "__version__"]) == sorted(accumulator.__all__)
+    for name in accumulator.__all__:
+        assert getattr(accumulator, name) is not None
+    assert set(accumulator.__all__) <= set(dir(accumulator))
+    with pytest.raises(AttributeError, match="has no attribute 'ConditonalAccumulator'"):
+        accumulator.ConditonalAccumulator  # type: ignore[attr-defined]  # noqa: B018
