@@ -221,7 +221,12 @@ end
 -- a gradient added into the sum whole holds nothing apart; one folded in later does until then
 local partial = into and #payload_keys > FOLD
 local total = tonumber(st.bytes) + ((into and not partial) and 0 or tonumber(nbytes))
-if st.maxbytes and total > tonumber(st.maxbytes) then
+-- The limit bounds what the round holds once its applies are in: with the sum in Redis, one
+-- gradient. A gradient being folded in is held apart only for its folds, as its parts were
+-- before this script, and neither counts against the limit: a round of the sum plus one
+-- gradient being folded would refuse the next apply, and concurrent ones each other.
+local held = into and tonumber(nbytes) or total
+if st.maxbytes and held > tonumber(st.maxbytes) then
   return refuse(-3, st.maxbytes)
 end
 

@@ -238,6 +238,40 @@ def test_a_large_apply_is_added_a_few_parts_per_script(module_url, mod, monkeypa
     np.testing.assert_array_equal(acc.take_grad(4), np.sum(grads, axis=0))
 
 
+@pytest.mark.parametrize("dead", [False, True])
+def test_the_pending_bytes_limit_counts_the_one_gradient_a_round_holds(module_url, mod,
+                                                                       monkeypatch, dead):
+    """On the module path a round holds one gradient, the sum: a limit of 1.5 gradients takes
+    any number of applies, also of gradients folded in a few parts per script, and also while
+    another's folds are unfinished (a worker that died before them, or a concurrent one).
+    Only a gradient larger than the limit is refused (it counted the sum and the gradient
+    being folded, two: the second apply of a large gradient was refused)."""
+    nbytes = FOLD_SIZE * 4
+    acc = make(module_url, shape=(FOLD_SIZE,), reduction_type="SUM",
+               max_pending_bytes=nbytes * 3 // 2)  # fmt: skip
+    grads = _grads(4)
+    real_fold = _apply.fold
+    if dead:  # the second apply's client stops before its folds
+        assert acc.apply_grad(grads[0], local_step=0)
+        monkeypatch.setattr(_apply, "fold", lambda acc, blob: iter(()))
+        assert acc.apply_grad(grads[1], local_step=0)
+        monkeypatch.setattr(_apply, "fold", real_fold)
+        assert _entries(mod, acc) == [b"s1", b"f%d" % _chunks.FOLD_PARTS]
+        assert int(mod.hget(acc._keys.state, "bytes")) == 2 * nbytes  # (held apart: shown)
+        rest = grads[2:]
+    else:
+        rest = grads
+    for g in rest:
+        assert acc.apply_grad(g, local_step=0)
+    assert _entries(mod, acc) == [b"s4"]
+    assert int(mod.hget(acc._keys.state, "bytes")) == nbytes
+    np.testing.assert_array_equal(acc.take_grad(4), np.sum(grads, axis=0))
+    small = make(module_url, name="small", shape=(FOLD_SIZE,), max_pending_bytes=nbytes - 1)
+    with pytest.raises(accumulator.ResourceExhaustedError, match="max_pending_bytes"):
+        small.apply_grad(grads[0], local_step=0)
+    assert not [k for k in mod.scan_iter(match=small._keys.pattern) if b":b:" in k]
+
+
 @pytest.mark.parametrize("folds", [0, 1, 2])
 def test_a_round_taken_before_its_folds_ended_is_read_whole(module_url, mod, monkeypatch, folds):
     """A worker that dies between its apply and its folds (or half-way through them) leaves
