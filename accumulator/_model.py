@@ -327,15 +327,23 @@ class AccumulatorModel:
                 "spread_parts=True: a private accumulator, or one that sums in Redis, keeps "
                 "its parts in its own slot"
             )
-        created, existing, summed, schema, *inst = yield Call(
-            "open", "open", [self._keys.state],
+        k = self._keys
+        created, existing, summed, schema, *rest = yield Call(
+            "open", "open", [k.state, k.grads, k.quarantine, k.orphans, k.claims],
             [SPREAD_SCHEMA if spread else SCHEMA_VERSION, self._definition.pack(), ttl,
              int(limit), explicit, summed, uuid.uuid4().hex],
         )  # fmt: skip
         self._schema = int(schema)
         # this accumulator, not one created again under its name after a delete: every call
         # of this object carries it (check_inst in lua/_common.lua; _recreated here)
-        self._instance = reply_text(inst[0]) if inst else ""
+        self._instance = reply_text(rest[0]) if rest else ""
+        if len(rest) > 1 and int(rest[1]):
+            logger.warning(
+                "accumulator %r was created again over the remains of one whose state was "
+                "lost (evicted under an allkeys-* maxmemory-policy, or deleted by hand): %d of "
+                "its gradients were dropped, not taken into the new one's rounds",
+                self._shared_name, int(rest[1]),
+            )  # fmt: skip
         self._sum_dtype = reply_text(summed)
         if self._want_sum is not None and self._want_sum != bool(self._sum_dtype):
             logger.warning(

@@ -1,5 +1,6 @@
 -- open: create the accumulator if it does not exist, else return the creator's definition.
--- KEYS[1] state hash
+-- KEYS[1] state hash  KEYS[2] grads list  KEYS[3] quarantine list  KEYS[4] orphans zset
+-- KEYS[5] claim registry hash (taker id -> claim lease expiry ms)
 -- ARGV[1] schema version of a new accumulator: 2, or 3 when its large payloads are to be
 --         spread over slots ('d' entries; clients speaking 2 only then refuse it)
 -- ARGV[2] definition (msgpack)  ARGV[3] safety-net ttl ms (0 = none)
@@ -11,12 +12,21 @@
 --         stored at creation (or at the first open of one an older client made), it tells
 --         this accumulator from one deleted and created again under the same name (the calls
 --         of an object opened on another are refused: check_inst in _common.lua)
--- Returns {1, def, sum, schema, inst} when created, {0, def, sum, schema, inst} when it
--- existed (the client compares definitions; sum = the stored module dtype or ''; schema: 2
--- or 3, what every other script of this accumulator is to be called with; inst = the stored
--- instance id, '' only when none was given).
-local state = KEYS[1]
-if not own_keys({}) then return acc_error('BADKEY 1') end
+-- Returns {1, def, sum, schema, inst, dropped} when created, {0, def, sum, schema, inst}
+-- when it existed (the client compares definitions; sum = the stored module dtype or '';
+-- schema: 2 or 3, what every other script of this accumulator is to be called with; inst =
+-- the stored instance id, '' only when none was given; dropped: the gradients of the remains
+-- below, dropped at the creation).
+--
+-- Remains: an accumulator whose state hash alone was lost (evicted under an allkeys-*
+-- maxmemory-policy, deleted by hand) leaves its pending round and the rounds its takers had
+-- claimed. A new accumulator created under its name must not take them (another
+-- accumulator's gradients, in a round its count leaves out): they are dropped with the
+-- creation, their payloads set to expire (spread ones made garbage for a sweeper).
+local state, grads, quarantine, orphans, registry = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local base, kerr = own_keys({':g', ':x', ':o', ':cl'})
+if not base then return kerr end
+if #KEYS ~= 5 then return acc_error('BADKEY ' .. #KEYS) end
 if not (is_count(ARGV[3]) and is_count(ARGV[4]) and (ARGV[5] == '0' or ARGV[5] == '1')
     and (ARGV[6] == '' or SUM_DTYPES[ARGV[6]]) and (ARGV[1] == '2' or ARGV[1] == '3')
     and is_inst(ARGV[7]) and #ARGV <= 7) then
@@ -38,8 +48,37 @@ if have then
   local stored = redis.call('HMGET', state, 'def', 'sum', 'inst')
   return {0, stored[1], stored[2] or '', have, stored[3] or ''}
 end
-local err = check_acl({'HSET', state, 'PEXPIRE', state, 'HGET', state})
+local err = check_acl({'HSET', state, 'PEXPIRE', state, 'HGET', state, 'LRANGE', grads,
+  'HGETALL', registry, 'EXISTS', quarantine})
 if err then return err end
+err = check_types({grads, 'list', quarantine, 'list', orphans, 'zset', registry, 'hash'})
+if err then return err end
+local entries, claims = redis.call('LRANGE', grads, '0', '-1'), {}
+local marks = redis.call('HGETALL', registry)
+for i = 1, #marks, 2 do
+  local claim = base .. ':c:' .. marks[i]
+  if is_own(base, claim, 'c') then
+    err = check_acl({'LRANGE', claim})
+    if err then return err end
+    local held = redis.pcall('LRANGE', claim, '1', '-1')  -- (the header, first, is no entry)
+    if type(held) == 'table' and not held.err then
+      claims[#claims + 1] = claim
+      for _, entry in ipairs(held) do entries[#entries + 1] = entry end
+    end
+  end
+end
+local dropped, spread, now = 0, false, 0
+for _, entry in ipairs(entries) do
+  dropped = dropped + entry_weight(entry)
+  spread = spread or string.sub(entry, 1, 1) == 'd'
+end
+local remains = #entries > 0 or #marks > 0 or redis.call('EXISTS', quarantine) == 1
+if remains then
+  err = check_acl({'DEL', grads, 'PEXPIRE', base .. ':b:0:0', 'ZADD', orphans,
+    'TIME', false, 'DEL', base .. ':c:0-0'})
+  if err then return err end
+  if spread then now = now_ms() end
+end
 redis.call('HSET', state,
   'schema', ARGV[1], 'def', ARGV[2], 'step', 0, 'count', 0, 'gen', 0, 'tseq', 0, 'bytes', 0,
   'ttl', ARGV[3], 'maxbytes', ARGV[4], 'created_ms', int_str(now_ms()),
@@ -48,4 +87,14 @@ redis.call('HSET', state,
 if ARGV[6] ~= '' then redis.call('HSET', state, 'sum', ARGV[6]) end
 if (ARGV[7] or '') ~= '' then redis.call('HSET', state, 'inst', ARGV[7]) end
 touch(state, {state})
-return {1, ARGV[2], ARGV[6], ARGV[1], ARGV[7] or ''}
+if remains then
+  for _, entry in ipairs(entries) do
+    for _, key in ipairs(entry_keys(base, entry) or {}) do
+      redis.call('PEXPIRE', key, DROPPED_TTL_MS)
+    end
+  end
+  discard_spread(base, orphans, entries, now)
+  for _, claim in ipairs(claims) do redis.call('DEL', claim) end
+  redis.call('DEL', grads, quarantine, registry)
+end
+return {1, ARGV[2], ARGV[6], ARGV[1], ARGV[7] or '', dropped}

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 import redis
-from _helpers import entry_key_names
+from _helpers import entry_key_names, take_script
 
 import accumulator
 from accumulator import _reduce, _scripts, _take
@@ -733,11 +733,13 @@ def test_open_refuses_a_ttl_redis_would_refuse(target):
     r = target.redis()
     k = accumulator._keys.Keys("", "ttl0")
     with pytest.raises(accumulator.InvalidArgumentError, match="BADARG"):
-        _scripts.call(r, "open", [k.state], ["2", b"def", "0100", "100", "0", ""])
+        _scripts.call(r, "open", [k.state, k.grads, k.quarantine, k.orphans, k.claims],
+                      ["2", b"def", "0100", "100", "0", ""])
     assert not r.exists(k.state)
     for inst in ("not hex", "a" * 33):  # the instance id a new accumulator is to get
         with pytest.raises(accumulator.InvalidArgumentError, match="BADARG"):
-            _scripts.call(r, "open", [k.state], ["2", b"def", "0", "100", "0", "", inst])
+            _scripts.call(r, "open", [k.state, k.grads, k.quarantine, k.orphans, k.claims],
+                          ["2", b"def", "0", "100", "0", "", inst])
         assert not r.exists(k.state)
 
 
@@ -1293,3 +1295,39 @@ def test_reset_sets_the_payloads_it_drops_to_expire(target, monkeypatch):
     monkeypatch.setattr(_admin_ops, "_unlink", lambda r, keys: 0)  # cut short there
     assert accumulator._admin.reset(r, "h") == 1
     assert 0 < r.pttl(blob) <= 60_000
+
+
+@pytest.mark.parametrize("shape", [SMALL, LARGE], ids=["inline", "own-keys"])
+def test_a_state_lost_alone_leaves_nothing_to_the_accumulator_made_again(target, shape, caplog):
+    """An allkeys-* policy can evict the state hash alone: its round and the rounds its
+    takers claimed stay. Opening the name again creates a new accumulator, which must not
+    take them (it took all six of a round it counted one of: a SUM of 501 for 1)."""
+    old = make(target, shared_name="lost", shape=shape, reduction_type="SUM")
+    for _ in range(3):
+        assert old.apply_grad(np.full(shape, 100.0, np.float32), local_step=0)
+    assert take_script(old, "7-dead", 3, 10_000, claim_ms=0)[0] == 1  # claimed, taker died
+    for _ in range(2):  # and a pending round (of the step the claim advanced to)
+        assert old.apply_grad(np.full(shape, 100.0, np.float32), local_step=1)
+    r = target.redis()
+    r.rpush(old._keys.quarantine, b"an entry quarantined before")
+    r.delete(old._keys.state)  # (what the eviction did)
+    with caplog.at_level("WARNING", logger="accumulator"):
+        new = make(target, shared_name="lost", shape=shape, reduction_type="SUM")
+    assert "5 of its gradients were dropped" in caplog.text
+    assert new.num_accumulated() == 0 and new.global_step() == 0
+    assert new.apply_grad(np.ones(shape, np.float32), local_step=0)
+    np.testing.assert_array_equal(new.take_grad(1, timeout=5), np.ones(shape, np.float32))
+    assert not r.exists(old._keys.quarantine) and not r.hlen(old._keys.claims)
+    if target.kind != "cluster":  # (spread parts: garbage for the sweep, in other slots)
+        left = [k for k in r.scan_iter(match=old._keys.pattern) if b":b:" in k]
+        assert all(0 < r.pttl(k) <= 60_000 for k in left)
+    with pytest.raises(accumulator.NotFoundError):  # the old object meets another accumulator
+        old.apply_grad(np.ones(shape, np.float32), local_step=0)
+
+
+def test_an_accumulator_made_where_nothing_was_warns_of_nothing(target, caplog):
+    with caplog.at_level("WARNING", logger="accumulator"):
+        acc = make(target, shared_name="fresh")
+        again = make(target, shared_name="fresh")
+    assert "were dropped" not in caplog.text
+    assert acc.apply_grad(np.ones(SMALL), local_step=0) and again.num_accumulated() == 1
