@@ -105,6 +105,36 @@ def take(
             f"cancel must be a threading.Event (or None), not {type(cancel).__name__}"
         )
     n, seconds = check_take_args(num_required, timeout)
+    deadline = None if seconds is None else time.monotonic() + seconds
+    retakes = 0
+    while True:
+        try:
+            return (yield from _take_once(acc, n, seconds, deadline, decode, cancel))
+        except _RolledBack as exc:
+            # The round is pending again, and this take returned nothing of it: take it again
+            # (a bound: what keeps going back is a fault, not a restart)
+            retakes += 1
+            if retakes > MAX_RETAKES:
+                raise AccumulatorError(str(exc)) from exc
+            logger.warning("%s; taking it again", exc)
+
+
+#: How many times a take whose round Redis rolled back (a restart from an older snapshot)
+#: takes it again before it raises.
+MAX_RETAKES = 3
+
+
+class _RolledBack(AccumulatorError):
+    """A take's claim is gone because Redis went back to before it (a restart from an older
+    RDB snapshot or AOF): the round is pending again and the take may take it again."""
+
+
+def _take_once(
+    acc: AccumulatorModel, n: int, seconds: float | None, deadline: float | None,
+    decode: Callable[[Claim], Ops[_T]], cancel: Cancel | None,
+) -> Ops[_T]:  # fmt: skip
+    """One try of :func:`take`: a taker of its own joins the queue, claims, reads, finishes
+    (``seconds``: the timeout the caller gave, for its message; ``deadline``: when it ends)."""
     k = acc._keys
     while acc._unwithdrawn:  # (this object's takes whose withdraw failed)
         try:
@@ -117,7 +147,6 @@ def take(
     lease_ms = int(acc.taker_lease * 1000)
     take_call = Call("take_grad", "take", *take_script_args(acc, taker, n, lease_ms))
     checked: dict[bytes, bytes] = {}  # spread entries' lengths (or why unusable), as found
-    deadline = None if seconds is None else time.monotonic() + seconds
     queue: Any = None  # a subscription, while queued behind another taker
     reply: Any = None  # the take script's, when the driver made it right after a wait
     full = ""  # Redis refused the take script at maxmemory (what it said), while waiting
@@ -196,10 +225,10 @@ def take(
         except AccumulatorError as exc:
             if (yield Command("take_grad", ("EXISTS", claim_key))):
                 raise
-            raise (yield from _claim_lost(acc)) from exc
+            raise (yield from _claim_lost(acc, claim.step)) from exc
         if cancel is not None and cancel.is_set():  # the last moment to give it back
             raise CancelledError("take_grad was cancelled (its cancel event is set)")
-        yield from _settled_finish(acc, taker, claim_key, claim.reader.keys)
+        yield from _settled_finish(acc, taker, claim_key, claim.reader.keys, claim.step)
     except BaseException as exc:
         # Not claimed: withdraw from the FIFO. Claimed (or unsure: a lost reply), the
         # script gives the round back as it was. After Redis was unreachable for the whole
@@ -280,7 +309,7 @@ def _check_spread(acc: AccumulatorModel, entries: list[bytes]) -> Ops[dict[bytes
 
 
 def _settled_finish(
-    acc: AccumulatorModel, taker: str, claim_key: str, blob_keys: list[bytes]
+    acc: AccumulatorModel, taker: str, claim_key: str, blob_keys: list[bytes], step: int
 ) -> Ops[None]:
     """:func:`_finish`, until its outcome is known. A finish sent whose reply is lost (Redis
     unreachable past the retry window, or Ctrl-C while it was in flight) may have run: the
@@ -294,7 +323,7 @@ def _settled_finish(
     interrupts = 0
     while True:
         try:
-            yield from _finish(acc, taker, claim_key, blob_keys)
+            yield from _finish(acc, taker, claim_key, blob_keys, step)
             break
         except UnavailableError as exc:
             if time.monotonic() - started >= _model.FINISH_SETTLE_SECONDS:
@@ -330,10 +359,12 @@ def _settled_finish(
         acc._held_interrupts[threading.get_ident()] = held
 
 
-def _finish(acc: AccumulatorModel, taker: str, claim_key: str, blob_keys: list[bytes]) -> Ops[None]:
-    """The round is read and reduced: release its lease and free its keys. Raises when
-    the lease had run out and another taker took the round over (the caller must not
-    return it then: it would be counted twice)."""
+def _finish(
+    acc: AccumulatorModel, taker: str, claim_key: str, blob_keys: list[bytes], step: int
+) -> Ops[None]:
+    """The round, claimed at ``step``, is read and reduced: release its lease and free its
+    keys. Raises when the lease had run out and another taker took the round over (the caller
+    must not return it then: it would be counted twice)."""
     k = acc._keys
     # spread parts (other slots) are not the script's: it makes them garbage for us to sweep
     keys: list[str | bytes] = [k.state, claim_key, k.claims, k.finished, k.orphans,
@@ -352,7 +383,7 @@ def _finish(acc: AccumulatorModel, taker: str, claim_key: str, blob_keys: list[b
     if isinstance(ours, list):  # (1, the spread payloads' garbage, leased to this taker)
         ours, garbage = ours
     if not int(ours):  # taken over, or gone with the accumulator
-        raise (yield from _claim_lost(acc))
+        raise (yield from _claim_lost(acc, step))
     missing = durability.shortfall(acked) if durability is not None else None
     if missing and durability is not None:
         # the round is this take's now: returning it is right; a failover before the
@@ -391,10 +422,14 @@ def _leave(acc: AccumulatorModel, taker: str, claim_key: str, once: bool = False
         )  # fmt: skip
 
 
-def _claim_lost(acc: AccumulatorModel) -> Ops[AccumulatorError]:
-    """What to raise when a take's claim is gone while it read the round: taken over by
-    another taker, or gone with the whole accumulator (also: created again since)."""
-    schema, inst = yield Command("take_grad", ("HMGET", acc._keys.state, "schema", "inst"))
+def _claim_lost(acc: AccumulatorModel, step: int) -> Ops[AccumulatorError]:
+    """What to raise when a take's claim, which advanced the step to ``step``, is gone while
+    it read the round: taken over by another taker, gone with the whole accumulator (also:
+    created again since), or gone with Redis's writes since an older snapshot (the step is
+    behind the claim's: the round is pending again, :class:`_RolledBack`)."""
+    schema, inst, now = yield Command(
+        "take_grad", ("HMGET", acc._keys.state, "schema", "inst", "step")
+    )
     if schema is None:
         return NotFoundError(
             f"take_grad on {acc._shared_name!r}: the accumulator is gone while this take read "
@@ -405,6 +440,13 @@ def _claim_lost(acc: AccumulatorModel) -> Ops[AccumulatorError]:
         return NotFoundError(
             f"take_grad on {acc._shared_name!r}: the accumulator was deleted and created again "
             "while this take read its round; this take returns nothing"
+        )
+    if now is not None and int(now) < step:
+        return _RolledBack(
+            f"take_grad on {acc._shared_name!r}: Redis went back to before this take claimed "
+            f"its round (global step {int(now)}, the claim's {step}: restarted from an older "
+            "RDB snapshot or AOF, or failed over to a replica behind it); the round is pending "
+            "again"
         )
     return AccumulatorError(_taken_over_message(acc))
 

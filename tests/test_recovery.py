@@ -324,3 +324,60 @@ def test_a_claim_key_of_another_type_does_not_stop_takes_or_the_tools(target):
     assert accumulator._admin.describe(r, "r").claims == ()
     assert accumulator._admin.delete(r, "r") >= 2
     assert not r.exists(acc._keys.claim("9-dead"))
+
+
+def _roll_back_on_claim(monkeypatch, r, pattern, times):
+    """Redis goes back to before the take's claim, ``times`` times, right after it claims (as
+    a restart from an RDB snapshot taken before it would): every key as it was then."""
+    from accumulator import _take
+
+    saved = {k: (r.dump(k), r.pttl(k)) for k in r.scan_iter(match=pattern)}
+    real, done = _take.read_claim, []
+
+    def read_claim(*args, **kwargs):
+        claim = real(*args, **kwargs)
+        if len(done) < times:
+            done.append(1)
+            for key in r.scan_iter(match=pattern):
+                if key not in saved:
+                    r.delete(key)
+            for key, (value, ttl) in saved.items():
+                r.restore(key, max(ttl, 0), value, replace=True)
+        return claim
+
+    monkeypatch.setattr(_take, "read_claim", read_claim)
+    return done
+
+
+@pytest.mark.parametrize("shape", [SHAPE, (512, 1024)], ids=["inline", "parts"])
+def test_a_take_whose_claim_redis_rolled_back_takes_the_round_again(target, monkeypatch,
+                                                                    caplog, shape):
+    """A restart from a snapshot taken before a take's claim, while the take reads: the round
+    is pending again, and the take, which returned nothing of it, takes it again (it raised
+    an error that blamed another taker for taking the round over)."""
+    if target.kind in ("fake", "cluster"):
+        pytest.skip("DUMP/RESTORE of the accumulator's keys on one server")
+    acc = make(target, shared_name="rolled", shape=shape)
+    for v in (1.0, 2.0, 3.0):
+        assert acc.apply_grad(np.full(shape, v, np.float32), local_step=0)
+    done = _roll_back_on_claim(monkeypatch, target.redis(), acc._keys.family_pattern, 1)
+    with caplog.at_level("WARNING", logger="accumulator"):
+        mean = acc.take_grad(3, timeout=10)
+    assert done and "Redis went back to before this take claimed" in caplog.text
+    np.testing.assert_array_equal(mean, np.full(shape, 2.0, np.float32))
+    assert (acc.global_step(), acc.num_accumulated()) == (1, 0)
+
+
+def test_a_take_redis_keeps_rolling_back_raises_and_leaves_the_round(target, monkeypatch):
+    if target.kind in ("fake", "cluster"):
+        pytest.skip("DUMP/RESTORE of the accumulator's keys on one server")
+    from accumulator import _take
+
+    acc = make(target, shared_name="rolling")
+    for v in (1.0, 2.0):
+        assert acc.apply_grad(np.full(SHAPE, v, np.float32), local_step=0)
+    _roll_back_on_claim(monkeypatch, target.redis(), acc._keys.family_pattern,
+                        _take.MAX_RETAKES + 1)  # fmt: skip
+    with pytest.raises(accumulator.AccumulatorError, match="Redis went back"):
+        acc.take_grad(2, timeout=10)
+    assert (acc.global_step(), acc.num_accumulated()) == (0, 2)
