@@ -112,9 +112,10 @@ def apply(
     try:
         return (yield from _complete(acc, nbytes, local_step, sent, code))
     except BaseException as exc:
-        if code == 1 and not definite(exc):
-            # counted, then interrupted (in the folds, say): the same apply made again is
-            # answered as counted, not sent again
+        if code == 1 and (not definite(exc) or isinstance(exc, NotDurableError)):
+            # counted, then interrupted (in the folds, say), or not confirmed by the replicas
+            # or the AOF (NotDurableError, an UnavailableError: a retry loop of the caller's
+            # makes it again): the same apply made again is answered as counted, not sent
             acc._identities.remember(_identities.apply_fingerprint(key, payload), True, key)
         raise
 
@@ -165,7 +166,8 @@ def _complete(
         raise NotDurableError(
             f"apply_grad on {acc._shared_name!r}: the gradient is applied on the primary, "
             f"but {missing} did not come within {acc.durability_timeout:g}s "
-            "(a failover now could lose it). Do not apply it again: it is counted"
+            "(a failover now could lose it). It is counted: the same apply made again by "
+            "this object is answered as counted, not sent again"
         )
     if code == -3:
         raise ResourceExhaustedError(

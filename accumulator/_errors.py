@@ -109,4 +109,5 @@ class UnavailableError(AccumulatorError, ConnectionError):
 class NotDurableError(UnavailableError):
     """An apply was recorded on the primary, but the replicas (``min_replicas``) or the AOF
     fsync (``wait_aof``) did not confirm it within ``durability_timeout``: a failover now
-    could lose it. It is counted: do not apply it again."""
+    could lose it. It is counted: the same apply made again by the same object (a retry loop
+    catching :class:`UnavailableError`) is answered as counted and not sent again."""
