@@ -946,7 +946,9 @@ def test_a_publish_refused_at_maxmemory_raises_resource_exhausted(own_server):
     worker.push(step, {"emb": (np.array([1]), np.ones((1, 16)))})
     r.config_set("maxmemory", int(r.info("memory")["used_memory"]) + (1 << 20))
     try:
-        with pytest.raises(accumulator.ResourceExhaustedError):
+        # (not Redis's "nothing was changed": the rounds are taken, the step is half done)
+        with pytest.raises(accumulator.ResourceExhaustedError,
+                           match="gradients of the step to 1 are taken .* the next step"):
             ps.step(LR, timeout=5)
     finally:
         r.config_set("maxmemory", 0)
@@ -1234,3 +1236,24 @@ def test_a_job_delete_goes_on_when_its_lease_cannot_be_renewed(target, monkeypat
     r = target.redis()
     assert accumulator._admin.delete_job(r, "jr") > 0
     assert len(calls) >= 3 and list(r.scan_iter()) == []
+
+
+def test_a_pull_whose_job_redis_lost_says_so_when_it_times_out(target):
+    """Redis lost the job's data (restarted without persistence): a worker waiting for the
+    next step times out saying that nothing of the job is published any more, not only that
+    no newer step came (restart/maxmemory review)."""
+    ps = ParameterServer("gone", replicas_to_aggregate=1, client=target.client())
+    ps.initialize({"w": np.zeros(3)})
+    worker = Worker("gone", client=target.client())
+    step, _ = worker.pull(timeout=5)
+    with pytest.raises(accumulator.DeadlineExceededError) as alive:
+        worker.pull(after=step, timeout=0.2)
+    assert "published any more" not in str(alive.value)
+    r = target.redis()
+    for key in list(r.scan_iter(match="accsync:*")):
+        r.delete(key)
+    with pytest.raises(accumulator.DeadlineExceededError,
+                       match="newer than step 0 within 0.2s .nothing of the job is published"):
+        worker.pull(after=step, timeout=0.2)
+    worker.close()
+    ps.close()

@@ -21,6 +21,7 @@ from .._errors import (
     CancelledError,
     DeadlineExceededError,
     InvalidArgumentError,
+    ResourceExhaustedError,
 )
 from .._together import run_together
 from ._job import TrainingFinished
@@ -364,7 +365,16 @@ class ParameterServer(_Resumer):
         """Publish the updated parameters (kept as unpublished while that fails: the next
         :meth:`step` publishes them), then seal a final step's accumulators."""
         self._unpublished = bool(final)
-        self._publish(done=final)
+        try:
+            self._publish(done=final)
+        except ResourceExhaustedError as exc:  # (its own message says nothing was changed)
+            raise ResourceExhaustedError(
+                f"sync job {self.job!r}: the gradients of the step to {self._step} are taken "
+                "and the chief's parameters updated, but Redis refused their publish "
+                "(maxmemory): "
+                "the next step() publishes them, and takes nothing before; free memory or "
+                f"raise maxmemory ({exc})"
+            ) from exc
         self._unpublished = None
         self._done = bool(final)
         if final:

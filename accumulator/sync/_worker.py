@@ -176,6 +176,7 @@ class Worker(_Job):
                     and after is not None and after >= self._step
                     and self._pubsub is not None and self._watched is self._pubsub)  # fmt: skip
         looked = False  # a timeout is raised only after one look at least
+        gone = False  # the last look found nothing published (the job deleted, or its data lost)
         while True:
             if self._pubsub is None:
                 # Subscribe before the look: a publish after that look is then never missed.
@@ -183,6 +184,7 @@ class Worker(_Job):
                 look = True
             if look:
                 published, looked = self._read_published(wanted=wanted, guess=guess), True
+                gone = published is None
                 self._watched = self._pubsub
                 if published is not None:
                     restarted = self._run is not None and published.run != self._run
@@ -194,9 +196,14 @@ class Worker(_Job):
             if deadline is not None:
                 wait = min(wait, deadline - time.monotonic())
                 if wait <= 0 and looked:
+                    lost = (
+                        " (nothing of the job is published any more: it was deleted, or Redis "
+                        "lost its data, restarted without persistence or failed over; a chief "
+                        "that resumes it publishes again)" if gone else ""
+                    )
                     raise DeadlineExceededError(
                         f"no parameters of sync job {self.job!r} newer than step {after} "
-                        f"within {timeout}s" if after is not None else
+                        f"within {timeout}s{lost}" if after is not None else
                         f"sync job {self.job!r} was not initialized within {timeout}s"
                     )  # fmt: skip
             try:
