@@ -81,7 +81,7 @@ def apply(
             sent = yield from _send(acc, payload, shape_token, local_step, first_error,
                                     ident.client_id, ident.seq)  # fmt: skip
     except BaseException as exc:
-        if isinstance(exc, UnavailableError) and not isinstance(exc, NotDurableError):
+        if isinstance(exc, UnavailableError):
             # Redis may still run the copy it received: the outcome is unknown. The identity
             # is held (see _identities.Identities): the object's next apply settles it first, and
             # the same apply made again is then counted once.
@@ -112,10 +112,9 @@ def apply(
     try:
         return (yield from _complete(acc, nbytes, local_step, sent, code))
     except BaseException as exc:
-        if code == 1 and (not definite(exc) or isinstance(exc, NotDurableError)):
-            # counted, then interrupted (in the folds, say), or not confirmed by the replicas
-            # or the AOF (NotDurableError, an UnavailableError: a retry loop of the caller's
-            # makes it again): the same apply made again is answered as counted, not sent
+        if code == 1 and not definite(exc):
+            # counted, then interrupted (in the folds, say): the same apply made again is
+            # answered as counted, not sent again
             acc._identities.remember(_identities.apply_fingerprint(key, payload), True, key)
         raise
 
@@ -127,7 +126,7 @@ def definite(exc: BaseException) -> bool:
     step closed) came while Redis may have run the request. An asyncio cancel is thrown into a
     step only before its commit is sent (the asyncio driver never cuts one in flight)."""
     if isinstance(exc, UnavailableError):
-        return isinstance(exc, NotDurableError)
+        return False
     return isinstance(exc, AccumulatorError | ResponseError | asyncio.CancelledError)
 
 
@@ -166,8 +165,7 @@ def _complete(
         raise NotDurableError(
             f"apply_grad on {acc._shared_name!r}: the gradient is applied on the primary, "
             f"but {missing} did not come within {acc.durability_timeout:g}s "
-            "(a failover now could lose it). It is counted: the same apply made again by "
-            "this object is answered as counted, not sent again"
+            "(a failover now could lose it). Do not apply it again: it is counted"
         )
     if code == -3:
         raise ResourceExhaustedError(

@@ -185,9 +185,9 @@ class ConditionalAccumulator(AccumulatorBase, DenseOps):
     replicas have it (``wait_aof=True``: after ``WAITAOF`` confirms the primary's AOF, and
     ``min_replicas`` replicas' AOFs, have it fsynced; Redis 7.2+), within
     :attr:`durability_timeout` seconds (default 5), else it raises
-    :class:`NotDurableError` (the gradient is counted; made again, it is not counted
-    twice). A take waits the same way for its finish, and logs a shortfall (the round is
-    already the caller's).
+    :class:`NotDurableError` (the gradient is counted: do not apply it again). A take
+    waits the same way for its finish, and logs a shortfall (the round is already the
+    caller's).
     A server that cannot confirm writes that way (no ``WAIT``; ``WAITAOF`` before Redis 7.2
     or without ``appendonly``) is refused at open with :class:`InvalidArgumentError`.
 

@@ -106,8 +106,9 @@ class UnavailableError(AccumulatorError, ConnectionError):
     counted once. The underlying redis-py error is chained as ``__cause__``."""
 
 
-class NotDurableError(UnavailableError):
+class NotDurableError(AccumulatorError):
     """An apply was recorded on the primary, but the replicas (``min_replicas``) or the AOF
     fsync (``wait_aof``) did not confirm it within ``durability_timeout``: a failover now
-    could lose it. It is counted: the same apply made again by the same object (a retry loop
-    catching :class:`UnavailableError`) is answered as counted and not sent again."""
+    could lose it. It is counted: do not apply it again. Not an :class:`UnavailableError`
+    (nor a ``ConnectionError``): a retry loop catching those would count it twice, and an
+    identical gradient made next may be a new one, which the object cannot tell apart."""

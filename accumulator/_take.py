@@ -106,35 +106,6 @@ def take(
         )
     n, seconds = check_take_args(num_required, timeout)
     deadline = None if seconds is None else time.monotonic() + seconds
-    retakes = 0
-    while True:
-        try:
-            return (yield from _take_once(acc, n, seconds, deadline, decode, cancel))
-        except _RolledBack as exc:
-            # The round is pending again, and this take returned nothing of it: take it again
-            # (a bound: what keeps going back is a fault, not a restart)
-            retakes += 1
-            if retakes > MAX_RETAKES:
-                raise AccumulatorError(str(exc)) from exc
-            logger.warning("%s; taking it again", exc)
-
-
-#: How many times a take whose round Redis rolled back (a restart from an older snapshot)
-#: takes it again before it raises.
-MAX_RETAKES = 3
-
-
-class _RolledBack(AccumulatorError):
-    """A take's claim is gone because Redis went back to before it (a restart from an older
-    RDB snapshot or AOF): the round is pending again and the take may take it again."""
-
-
-def _take_once(
-    acc: AccumulatorModel, n: int, seconds: float | None, deadline: float | None,
-    decode: Callable[[Claim], Ops[_T]], cancel: Cancel | None,
-) -> Ops[_T]:  # fmt: skip
-    """One try of :func:`take`: a taker of its own joins the queue, claims, reads, finishes
-    (``seconds``: the timeout the caller gave, for its message; ``deadline``: when it ends)."""
     k = acc._keys
     while acc._unwithdrawn:  # (this object's takes whose withdraw failed)
         try:
@@ -425,8 +396,9 @@ def _leave(acc: AccumulatorModel, taker: str, claim_key: str, once: bool = False
 def _claim_lost(acc: AccumulatorModel, step: int) -> Ops[AccumulatorError]:
     """What to raise when a take's claim, which advanced the step to ``step``, is gone while
     it read the round: taken over by another taker, gone with the whole accumulator (also:
-    created again since), or gone with Redis's writes since an older snapshot (the step is
-    behind the claim's: the round is pending again, :class:`_RolledBack`)."""
+    created again since), or the step is behind the claim's: Redis went back to before it
+    (a restart from an older snapshot), or the round was given back (``accumulator evict``).
+    The last two look alike in Redis: the take raises, and the message says both."""
     schema, inst, now = yield Command(
         "take_grad", ("HMGET", acc._keys.state, "schema", "inst", "step")
     )
@@ -442,11 +414,13 @@ def _claim_lost(acc: AccumulatorModel, step: int) -> Ops[AccumulatorError]:
             "while this take read its round; this take returns nothing"
         )
     if now is not None and int(now) < step:
-        return _RolledBack(
-            f"take_grad on {acc._shared_name!r}: Redis went back to before this take claimed "
-            f"its round (global step {int(now)}, the claim's {step}: restarted from an older "
-            "RDB snapshot or AOF, or failed over to a replica behind it); the round is pending "
-            "again"
+        return AccumulatorError(
+            f"take_grad on {acc._shared_name!r} lost the round it was reading, and the global "
+            f"step is back at {int(now)}, behind its claim's {step}: an operator evicted this "
+            "taker (`accumulator evict` gives its round back), or Redis went back to before "
+            "the claim (restarted from an older RDB snapshot or AOF, or failed over to a "
+            "replica behind it); the round is pending again unless a take took it since. "
+            "This take returns nothing"
         )
     return AccumulatorError(_taken_over_message(acc))
 

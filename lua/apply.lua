@@ -221,11 +221,11 @@ end
 -- a gradient added into the sum whole holds nothing apart; one folded in later does until then
 local partial = into and #payload_keys > FOLD
 local total = tonumber(st.bytes) + ((into and not partial) and 0 or tonumber(nbytes))
--- The limit bounds what the round holds once its applies are in: with the sum in Redis, one
--- gradient. A gradient being folded in is held apart only for its folds, as its parts were
--- before this script, and neither counts against the limit: a round of the sum plus one
--- gradient being folded would refuse the next apply, and concurrent ones each other.
-local held = into and tonumber(nbytes) or total
+-- With the sum in Redis the limit counts what the round holds before this apply (the sum, and
+-- what earlier gradients hold apart until their folds end), not this gradient, which adds
+-- nothing to the sum and is held apart only for its own folds, as its parts were before this
+-- script: a limit of 1.5 gradients refused the second of two applies made one after another.
+local held = into and tonumber(st.bytes) or total
 if st.maxbytes and held > tonumber(st.maxbytes) then
   return refuse(-3, st.maxbytes)
 end

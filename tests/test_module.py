@@ -238,30 +238,16 @@ def test_a_large_apply_is_added_a_few_parts_per_script(module_url, mod, monkeypa
     np.testing.assert_array_equal(acc.take_grad(4), np.sum(grads, axis=0))
 
 
-@pytest.mark.parametrize("dead", [False, True])
-def test_the_pending_bytes_limit_counts_the_one_gradient_a_round_holds(module_url, mod,
-                                                                       monkeypatch, dead):
-    """On the module path a round holds one gradient, the sum: a limit of 1.5 gradients takes
-    any number of applies, also of gradients folded in a few parts per script, and also while
-    another's folds are unfinished (a worker that died before them, or a concurrent one).
-    Only a gradient larger than the limit is refused (it counted the sum and the gradient
-    being folded, two: the second apply of a large gradient was refused)."""
+def test_the_pending_bytes_limit_counts_what_the_round_holds_before_the_apply(module_url, mod):
+    """On the module path a round holds the sum, one gradient: a limit of 1.5 gradients takes
+    any number of applies made one after another, also of gradients folded in a few parts
+    per script (it counted the sum and the gradient being folded, two: the second apply of a
+    large gradient was refused). Only a gradient larger than the limit is refused."""
     nbytes = FOLD_SIZE * 4
     acc = make(module_url, shape=(FOLD_SIZE,), reduction_type="SUM",
                max_pending_bytes=nbytes * 3 // 2)  # fmt: skip
     grads = _grads(4)
-    real_fold = _apply.fold
-    if dead:  # the second apply's client stops before its folds
-        assert acc.apply_grad(grads[0], local_step=0)
-        monkeypatch.setattr(_apply, "fold", lambda acc, blob: iter(()))
-        assert acc.apply_grad(grads[1], local_step=0)
-        monkeypatch.setattr(_apply, "fold", real_fold)
-        assert _entries(mod, acc) == [b"s1", b"f%d" % _chunks.FOLD_PARTS]
-        assert int(mod.hget(acc._keys.state, "bytes")) == 2 * nbytes  # (held apart: shown)
-        rest = grads[2:]
-    else:
-        rest = grads
-    for g in rest:
+    for g in grads:
         assert acc.apply_grad(g, local_step=0)
     assert _entries(mod, acc) == [b"s4"]
     assert int(mod.hget(acc._keys.state, "bytes")) == nbytes
@@ -270,6 +256,25 @@ def test_the_pending_bytes_limit_counts_the_one_gradient_a_round_holds(module_ur
     with pytest.raises(accumulator.ResourceExhaustedError, match="max_pending_bytes"):
         small.apply_grad(grads[0], local_step=0)
     assert not [k for k in mod.scan_iter(match=small._keys.pattern) if b":b:" in k]
+
+
+def test_gradients_whose_folds_stopped_count_against_the_limit(module_url, mod, monkeypatch):
+    """What gradients hold apart until their folds end counts (workers killed between their
+    apply and their folds, or many large applies at once): the round stays bounded (a
+    review: six such gradients under a limit of 1.5)."""
+    nbytes = FOLD_SIZE * 4
+    acc = make(module_url, shape=(FOLD_SIZE,), reduction_type="SUM",
+               max_pending_bytes=nbytes * 5 // 2)  # fmt: skip
+    grads = _grads(4)
+    assert acc.apply_grad(grads[0], local_step=0)  # the sum
+    monkeypatch.setattr(_apply, "fold", lambda acc, blob: iter(()))  # their clients stop
+    for g in grads[1:3]:  # held 1, then 2 gradients before each: within 2.5
+        assert acc.apply_grad(g, local_step=0)
+    assert _entries(mod, acc) == [b"s1", b"f%d" % _chunks.FOLD_PARTS, b"f%d" % _chunks.FOLD_PARTS]
+    assert int(mod.hget(acc._keys.state, "bytes")) == 3 * nbytes
+    with pytest.raises(accumulator.ResourceExhaustedError, match="max_pending_bytes"):
+        acc.apply_grad(grads[3], local_step=0)  # held 3
+    np.testing.assert_array_equal(acc.take_grad(3), np.sum(grads[:3], axis=0))
 
 
 @pytest.mark.parametrize("folds", [0, 1, 2])
