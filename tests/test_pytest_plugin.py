@@ -135,7 +135,8 @@ def test_every_public_name_loads_from_where_the_package_says() -> None:
     import accumulator
 
     where = accumulator._WHERE
-    assert sorted([*where, "__version__"]) == sorted(accumulator.__all__)
+    errors = accumulator._errors.__all__
+    assert sorted([*where, *errors, "__version__"]) == sorted(accumulator.__all__)
     for name in accumulator.__all__:
         assert getattr(accumulator, name) is not None
     assert set(accumulator.__all__) <= set(dir(accumulator))
