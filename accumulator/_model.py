@@ -329,7 +329,8 @@ class AccumulatorModel:
             )
         k = self._keys
         created, existing, summed, schema, *rest = yield Call(
-            "open", "open", [k.state, k.grads, k.quarantine, k.orphans, k.claims],
+            "open", "open",
+            [k.state, k.grads, k.quarantine, k.orphans, k.claims, k.takers, k.taker_info],
             [SPREAD_SCHEMA if spread else SCHEMA_VERSION, self._definition.pack(), ttl,
              int(limit), explicit, summed, uuid.uuid4().hex],
         )  # fmt: skip

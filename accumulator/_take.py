@@ -419,7 +419,8 @@ def _claim_lost(acc: AccumulatorModel, step: int) -> Ops[AccumulatorError]:
             f"step is back at {int(now)}, behind its claim's {step}: an operator evicted this "
             "taker (`accumulator evict` gives its round back), or Redis went back to before "
             "the claim (restarted from an older RDB snapshot or AOF, or failed over to a "
-            "replica behind it); the round is pending again unless a take took it since. "
+            "replica behind it), or set_global_step moved the step back after another taker "
+            "took the round over; the round is pending again unless a take took it since. "
             "This take returns nothing"
         )
     return AccumulatorError(_taken_over_message(acc))

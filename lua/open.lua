@@ -1,6 +1,7 @@
 -- open: create the accumulator if it does not exist, else return the creator's definition.
 -- KEYS[1] state hash  KEYS[2] grads list  KEYS[3] quarantine list  KEYS[4] orphans zset
--- KEYS[5] claim registry hash (taker id -> claim lease expiry ms)
+-- KEYS[5] claim registry hash (taker id -> claim lease expiry ms)  KEYS[6] takers zset
+-- KEYS[7] taker info hash
 -- ARGV[1] schema version of a new accumulator: 2, or 3 when its large payloads are to be
 --         spread over slots ('d' entries; clients speaking 2 only then refuse it)
 -- ARGV[2] definition (msgpack)  ARGV[3] safety-net ttl ms (0 = none)
@@ -19,14 +20,15 @@
 -- below, dropped at the creation).
 --
 -- Remains: an accumulator whose state hash alone was lost (evicted under an allkeys-*
--- maxmemory-policy, deleted by hand) leaves its pending round and the rounds its takers had
--- claimed. A new accumulator created under its name must not take them (another
+-- maxmemory-policy, deleted by hand) leaves its pending round, the rounds its takers had
+-- claimed and its queue of takers. A new accumulator created under its name must not take them (another
 -- accumulator's gradients, in a round its count leaves out): they are dropped with the
 -- creation, their payloads set to expire (spread ones made garbage for a sweeper).
 local state, grads, quarantine, orphans, registry = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
-local base, kerr = own_keys({':g', ':x', ':o', ':cl'})
+local takers, info = KEYS[6], KEYS[7]
+local base, kerr = own_keys({':g', ':x', ':o', ':cl', ':t', ':ti'})
 if not base then return kerr end
-if #KEYS ~= 5 then return acc_error('BADKEY ' .. #KEYS) end
+if #KEYS ~= 7 then return acc_error('BADKEY ' .. #KEYS) end
 if not (is_count(ARGV[3]) and is_count(ARGV[4]) and (ARGV[5] == '0' or ARGV[5] == '1')
     and (ARGV[6] == '' or SUM_DTYPES[ARGV[6]]) and (ARGV[1] == '2' or ARGV[1] == '3')
     and is_inst(ARGV[7]) and #ARGV <= 7) then
@@ -49,7 +51,7 @@ if have then
   return {0, stored[1], stored[2] or '', have, stored[3] or ''}
 end
 local err = check_acl({'HSET', state, 'PEXPIRE', state, 'HGET', state, 'LRANGE', grads,
-  'HGETALL', registry, 'EXISTS', quarantine})
+  'HGETALL', registry, 'EXISTS', quarantine, 'EXISTS', takers})
 if err then return err end
 err = check_types({grads, 'list', quarantine, 'list', orphans, 'zset', registry, 'hash'})
 if err then return err end
@@ -72,7 +74,9 @@ for _, entry in ipairs(entries) do
   dropped = dropped + entry_weight(entry)
   spread = spread or string.sub(entry, 1, 1) == 'd'
 end
-local remains = #entries > 0 or #marks > 0 or redis.call('EXISTS', quarantine) == 1
+-- (a taker of the old one still queued would hold up this one's takes for its lease)
+local remains = #entries > 0 or #marks > 0
+  or redis.call('EXISTS', quarantine, takers) > 0
 if remains then
   err = check_acl({'DEL', grads, 'PEXPIRE', base .. ':b:0:0', 'ZADD', orphans,
     'TIME', false, 'DEL', base .. ':c:0-0'})
@@ -95,6 +99,6 @@ if remains then
   end
   discard_spread(base, orphans, entries, now)
   for _, claim in ipairs(claims) do redis.call('DEL', claim) end
-  redis.call('DEL', grads, quarantine, registry)
+  redis.call('DEL', grads, quarantine, registry, takers, info)
 end
 return {1, ARGV[2], ARGV[6], ARGV[1], ARGV[7] or '', dropped}

@@ -732,14 +732,13 @@ def test_open_refuses_a_ttl_redis_would_refuse(target):
     no expiry, and every later script renewing its expiry failed after its first write)."""
     r = target.redis()
     k = accumulator._keys.Keys("", "ttl0")
+    keys = [k.state, k.grads, k.quarantine, k.orphans, k.claims, k.takers, k.taker_info]
     with pytest.raises(accumulator.InvalidArgumentError, match="BADARG"):
-        _scripts.call(r, "open", [k.state, k.grads, k.quarantine, k.orphans, k.claims],
-                      ["2", b"def", "0100", "100", "0", ""])
+        _scripts.call(r, "open", keys, ["2", b"def", "0100", "100", "0", ""])
     assert not r.exists(k.state)
     for inst in ("not hex", "a" * 33):  # the instance id a new accumulator is to get
         with pytest.raises(accumulator.InvalidArgumentError, match="BADARG"):
-            _scripts.call(r, "open", [k.state, k.grads, k.quarantine, k.orphans, k.claims],
-                          ["2", b"def", "0", "100", "0", "", inst])
+            _scripts.call(r, "open", keys, ["2", b"def", "0", "100", "0", "", inst])
         assert not r.exists(k.state)
 
 
@@ -1310,14 +1309,18 @@ def test_a_state_lost_alone_leaves_nothing_to_the_accumulator_made_again(target,
         assert old.apply_grad(np.full(shape, 100.0, np.float32), local_step=1)
     r = target.redis()
     r.rpush(old._keys.quarantine, b"an entry quarantined before")
+    # and a taker still queued, its lease long (it would hold up the new one's takes)
+    r.zadd(old._keys.takers, {"9-gone": 1})
+    r.hset(old._keys.taker_info, "9-gone", f"1 {int(time.time() * 1000) + 600_000} 0")
     r.delete(old._keys.state)  # (what the eviction did)
     with caplog.at_level("WARNING", logger="accumulator"):
         new = make(target, shared_name="lost", shape=shape, reduction_type="SUM")
     assert "5 of its gradients were dropped" in caplog.text
     assert new.num_accumulated() == 0 and new.global_step() == 0
     assert new.apply_grad(np.ones(shape, np.float32), local_step=0)
-    np.testing.assert_array_equal(new.take_grad(1, timeout=5), np.ones(shape, np.float32))
-    assert not r.exists(old._keys.quarantine) and not r.hlen(old._keys.claims)
+    np.testing.assert_array_equal(new.take_grad(1, timeout=2), np.ones(shape, np.float32))
+    assert not r.exists(old._keys.quarantine, old._keys.takers, old._keys.taker_info)
+    assert not r.hlen(old._keys.claims)
     if target.kind != "cluster":  # (spread parts: garbage for the sweep, in other slots)
         left = [k for k in r.scan_iter(match=old._keys.pattern) if b":b:" in k]
         assert all(0 < r.pttl(k) <= 60_000 for k in left)
