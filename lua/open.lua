@@ -21,9 +21,9 @@
 --
 -- Remains: an accumulator whose state hash alone was lost (evicted under an allkeys-*
 -- maxmemory-policy, deleted by hand) leaves its pending round, the rounds its takers had
--- claimed and its queue of takers. A new accumulator created under its name must not take them (another
--- accumulator's gradients, in a round its count leaves out): they are dropped with the
--- creation, their payloads set to expire (spread ones made garbage for a sweeper).
+-- claimed and its queue of takers. A new accumulator created under its name must not take
+-- them (another accumulator's gradients, in a round its count leaves out): they are dropped
+-- with the creation, their payloads set to expire (spread ones made garbage for a sweeper).
 local state, grads, quarantine, orphans, registry = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local takers, info = KEYS[6], KEYS[7]
 local base, kerr = own_keys({':g', ':x', ':o', ':cl', ':t', ':ti'})
