@@ -22,7 +22,7 @@ from redis.sentinel import SentinelConnectionPool
 from . import _retry as retrying
 from . import _shares
 from ._cluster_client import cluster_client
-from ._errors import PermissionDeniedError
+from ._errors import AccumulatorError, PermissionDeniedError
 from ._packer import _PACKER
 from ._retry import RETRY_WINDOW
 from ._routing import raise_slot_moving
@@ -324,8 +324,6 @@ def drop_idle(*clients: Any) -> None:
 def interrupted(exc: BaseException) -> bool:
     """Whether ``exc``, raised out of a Redis call, came from outside it (an interrupt: not
     redis-py's error, nor ours), so that a reply may be left unread (:func:`drop_idle`)."""
-    from ._errors import AccumulatorError
-
     return not isinstance(exc, redis.RedisError | AccumulatorError)
 
 

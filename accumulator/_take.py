@@ -105,7 +105,6 @@ def take(
             f"cancel must be a threading.Event (or None), not {type(cancel).__name__}"
         )
     n, seconds = check_take_args(num_required, timeout)
-    deadline = None if seconds is None else time.monotonic() + seconds
     k = acc._keys
     while acc._unwithdrawn:  # (this object's takes whose withdraw failed)
         try:
@@ -118,6 +117,7 @@ def take(
     lease_ms = int(acc.taker_lease * 1000)
     take_call = Call("take_grad", "take", *take_script_args(acc, taker, n, lease_ms))
     checked: dict[bytes, bytes] = {}  # spread entries' lengths (or why unusable), as found
+    deadline = None if seconds is None else time.monotonic() + seconds
     queue: Any = None  # a subscription, while queued behind another taker
     reply: Any = None  # the take script's, when the driver made it right after a wait
     full = ""  # Redis refused the take script at maxmemory (what it said), while waiting

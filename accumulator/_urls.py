@@ -80,6 +80,7 @@ def pool_guard(pool_class: Any) -> dict[str, Any]:
 
     return {"maint_notifications_config": MaintNotificationsConfig(enabled=False)}
 
+
 @functools.cache
 def _takes_maint_settings(pool_class: Any) -> bool:
     """Whether ``pool_class`` takes ``maint_notifications_config`` (asked once per class)."""

@@ -371,9 +371,8 @@ class ParameterServer(_Resumer):
             raise ResourceExhaustedError(
                 f"sync job {self.job!r}: the gradients of the step to {self._step} are taken "
                 "and the chief's parameters updated, but Redis refused their publish "
-                "(maxmemory): "
-                "the next step() publishes them, and takes nothing before; free memory or "
-                f"raise maxmemory ({exc})"
+                "(maxmemory): the next step() publishes them, and takes nothing before; free "
+                f"memory or raise maxmemory ({exc})"
             ) from exc
         self._unpublished = None
         self._done = bool(final)
